@@ -1,0 +1,526 @@
+//! The HTTP API (DESIGN 6.2): JSON routes over the store and the queues.
+//!
+//! Every route but `/healthz` needs the bearer token when one is configured.
+//! Errors are `{"error": {"code", "message"}}`; a refused request changes
+//! nothing. An enqueue is answered only once the job is durable.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::job::{Attempt, Enqueued, Job, JobState, Millis, NewJob, canonical_json};
+use crate::queue::Queues;
+use crate::store::{JobFilter, Store, StoreError};
+
+/// Most jobs in one batch enqueue.
+pub const MAX_BATCH: usize = 1000;
+
+/// What the routes share.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub queues: Arc<Queues>,
+    pub token: Option<Arc<str>>,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").finish_non_exhaustive()
+    }
+}
+
+/// An error answer: a status, a stable code and a message naming what is wrong.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        match &e {
+            StoreError::IdReused { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "id_reused", e.to_string())
+            }
+            StoreError::NotFound(_) => {
+                ApiError::new(StatusCode::NOT_FOUND, "not_found", e.to_string())
+            }
+            StoreError::InvalidState { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "invalid_state", e.to_string())
+            }
+            StoreError::Fenced { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "fenced", e.to_string())
+            }
+            StoreError::Unavailable(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "storage_unavailable",
+                e.to_string(),
+            ),
+        }
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// The router with every route, auth and limits.
+pub fn router(state: AppState) -> Router {
+    let body_limit = state
+        .queues
+        .iter()
+        .map(|q| q.config.max_payload)
+        .max()
+        .unwrap_or(1 << 20)
+        .saturating_mul(2)
+        .max(64 << 20);
+    let api = Router::new()
+        .route("/v1/queues", get(list_queues))
+        .route("/v1/queues/{queue}/jobs", post(enqueue))
+        .route("/v1/queues/{queue}/jobs/batch", post(enqueue_batch))
+        .route("/v1/jobs", get(list_jobs))
+        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .route("/v1/jobs/{id}/retry", post(retry_job))
+        .route("/v1/index/{collection}/{id}", get(get_document))
+        .route("/metrics", get(render_metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .merge(api)
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(DefaultBodyLimit::max(
+            usize::try_from(body_limit).unwrap_or(usize::MAX),
+        ))
+        .with_state(state)
+}
+
+async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(token) = &state.token {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes()));
+        if !ok {
+            let message = if given.is_some() {
+                "the bearer token is wrong"
+            } else {
+                "this daemon needs `Authorization: Bearer <token>`"
+            };
+            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+                .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The body of one enqueue.
+#[derive(Debug, Deserialize, Serialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct EnqueueBody {
+    pub payload: Value,
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub dedup_key: Option<String>,
+    #[serde(default)]
+    pub dedup_for: Option<String>,
+    #[serde(default)]
+    pub delay: Option<String>,
+    #[serde(default)]
+    pub run_at: Option<String>,
+    #[serde(default)]
+    pub priority: Option<i32>,
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    jobs: Vec<EnqueueBody>,
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("request body: {e}")))
+}
+
+fn parse_duration(field: &str, s: &str) -> ApiResult<Duration> {
+    humantime::parse_duration(s)
+        .map_err(|e| ApiError::bad_request(format!("{field}: invalid duration {s:?}: {e}")))
+}
+
+/// Checks one enqueue body against its queue and turns it into a `NewJob`.
+fn new_job(
+    state: &AppState,
+    queue: &str,
+    body: EnqueueBody,
+    field: &str,
+    now: Millis,
+) -> ApiResult<NewJob> {
+    let q = state.queues.get(queue).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_queue",
+            format!("no queue named {queue:?} in jobs.toml"),
+        )
+    })?;
+    let cfg = &q.config;
+    let payload = canonical_json(&body.payload);
+    if payload.len() as u64 > cfg.max_payload {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!(
+                "{field}payload is {} bytes; queue {queue:?} takes at most {} (max_payload)",
+                payload.len(),
+                cfg.max_payload
+            ),
+        ));
+    }
+    let check_name = |name: &str, v: &Option<String>| -> ApiResult<()> {
+        match v {
+            Some(s) if s.is_empty() || s.len() > 512 => Err(ApiError::bad_request(format!(
+                "{field}{name} must be 1 to 512 bytes"
+            ))),
+            _ => Ok(()),
+        }
+    };
+    check_name("id", &body.id)?;
+    check_name("dedup_key", &body.dedup_key)?;
+    let run_at = match (&body.delay, &body.run_at) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(format!(
+                "{field}delay and run_at: give one, not both"
+            )));
+        }
+        (Some(d), None) => now.plus(parse_duration(&format!("{field}delay"), d)?),
+        (None, Some(t)) => Millis::parse_rfc3339(t).ok_or_else(|| {
+            ApiError::bad_request(format!("{field}run_at: not an RFC 3339 time: {t:?}"))
+        })?,
+        (None, None) => now,
+    };
+    let dedup_for = body
+        .dedup_for
+        .as_deref()
+        .map(|d| parse_duration(&format!("{field}dedup_for"), d))
+        .transpose()?;
+    if dedup_for.is_some() && body.dedup_key.is_none() {
+        return Err(ApiError::bad_request(format!(
+            "{field}dedup_for needs a dedup_key"
+        )));
+    }
+    let max_attempts = body.max_attempts.unwrap_or(cfg.max_attempts);
+    if max_attempts == 0 {
+        return Err(ApiError::bad_request(format!(
+            "{field}max_attempts must be at least 1"
+        )));
+    }
+    Ok(NewJob {
+        queue: queue.to_owned(),
+        id: body.id,
+        payload,
+        priority: body.priority.unwrap_or(0),
+        run_at,
+        max_attempts,
+        dedup_key: body.dedup_key,
+        dedup_for,
+    })
+}
+
+fn enqueued_json(e: &Enqueued) -> Value {
+    json!({"job": job_json(&e.job), "deduplicated": e.deduplicated})
+}
+
+fn record_enqueue(queue: &str, results: &[Enqueued]) {
+    for r in results {
+        let name = if r.deduplicated {
+            "khata_jobs_deduplicated_total"
+        } else {
+            "khata_jobs_enqueued_total"
+        };
+        metrics::counter!(name, "queue" => queue.to_owned()).increment(1);
+    }
+}
+
+async fn enqueue(
+    State(state): State<AppState>,
+    Path(queue): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let body: EnqueueBody = parse_body(&body)?;
+    let now = state.queues.now();
+    let job = new_job(&state, &queue, body, "", now)?;
+    let mut results = state.store.enqueue(vec![job], now).await?;
+    record_enqueue(&queue, &results);
+    state.queues.wake(&queue);
+    let result = results.remove(0);
+    let status = if result.deduplicated {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok((status, Json(enqueued_json(&result))).into_response())
+}
+
+async fn enqueue_batch(
+    State(state): State<AppState>,
+    Path(queue): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let body: BatchBody = parse_body(&body)?;
+    if body.jobs.is_empty() || body.jobs.len() > MAX_BATCH {
+        return Err(ApiError::bad_request(format!(
+            "jobs: a batch holds 1 to {MAX_BATCH} jobs, got {}",
+            body.jobs.len()
+        )));
+    }
+    let now = state.queues.now();
+    let jobs = body
+        .jobs
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| new_job(&state, &queue, b, &format!("jobs[{i}]."), now))
+        .collect::<ApiResult<Vec<_>>>()?;
+    let results = state.store.enqueue(jobs, now).await.map_err(|e| match e {
+        StoreError::IdReused { ref id, index } => ApiError::new(
+            StatusCode::CONFLICT,
+            "id_reused",
+            format!("jobs[{index}].id: job id {id:?} is already used by a job with another payload or queue; nothing was enqueued"),
+        ),
+        other => other.into(),
+    })?;
+    record_enqueue(&queue, &results);
+    state.queues.wake(&queue);
+    Ok(Json(
+        json!({"results": results.iter().map(enqueued_json).collect::<Vec<_>>()}),
+    ))
+}
+
+fn time(t: Millis) -> Value {
+    Value::String(t.rfc3339())
+}
+
+fn attempt_json(a: &Attempt) -> Value {
+    json!({
+        "number": a.number,
+        "fencing_token": a.fencing_token,
+        "started_at": time(a.started_at),
+        "ended_at": a.ended_at.map(time),
+        "outcome": a.outcome,
+        "error": a.error,
+    })
+}
+
+/// The job object of DESIGN 6.2.
+pub fn job_json(j: &Job) -> Value {
+    let parse =
+        |s: &str| serde_json::from_str::<Value>(s).unwrap_or_else(|_| Value::String(s.to_owned()));
+    json!({
+        "id": j.id,
+        "queue": j.queue,
+        "state": j.state,
+        "payload": parse(&j.payload),
+        "priority": j.priority,
+        "attempt": j.attempt,
+        "max_attempts": j.max_attempts,
+        "dedup_key": j.dedup_key,
+        "run_at": time(j.run_at),
+        "enqueued_at": time(j.enqueued_at),
+        "finished_at": j.finished_at.map(time),
+        "result": j.result.as_deref().map(parse),
+        "last_error": j.last_error,
+        "attempts": j.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+        "effects": Vec::<Value>::new(),
+    })
+}
+
+async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    let job = state
+        .store
+        .job(&id, state.queues.now())
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id:?}"))
+        })?;
+    Ok(Json(job_json(&job)))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    queue: Option<String>,
+    state: Option<String>,
+    limit: Option<u32>,
+    cursor: Option<String>,
+}
+
+async fn list_jobs(
+    State(state): State<AppState>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    let Query(q) = query.map_err(|e| ApiError::bad_request(format!("query: {}", e.body_text())))?;
+    let job_state = q
+        .state
+        .as_deref()
+        .map(|s| {
+            s.parse::<JobState>()
+                .map_err(|e| ApiError::bad_request(format!("state: {e}")))
+        })
+        .transpose()?;
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request("limit: must be 1 to 1000"));
+    }
+    if let Some(c) = &q.cursor
+        && c.parse::<i64>().is_err()
+    {
+        return Err(ApiError::bad_request(format!(
+            "cursor: not a cursor from this API: {c:?}"
+        )));
+    }
+    let page = state
+        .store
+        .jobs(
+            JobFilter {
+                queue: q.queue,
+                state: job_state,
+                limit,
+                cursor: q.cursor,
+            },
+            state.queues.now(),
+        )
+        .await?;
+    Ok(Json(json!({
+        "jobs": page.jobs.iter().map(job_json).collect::<Vec<_>>(),
+        "next_cursor": page.next_cursor,
+    })))
+}
+
+async fn retry_job(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let job = state.store.retry(&id, state.queues.now()).await?;
+    state.queues.wake(&job.queue);
+    Ok(Json(json!({"job": job_json(&job)})))
+}
+
+async fn cancel_job(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let (job, was_active) = state.store.cancel(&id, state.queues.now()).await?;
+    if was_active {
+        state.queues.interrupt(&job.queue, &job.id);
+    }
+    Ok(Json(json!({"job": job_json(&job)})))
+}
+
+async fn list_queues(State(state): State<AppState>) -> ApiResult<Json<Value>> {
+    let counts: BTreeMap<String, _> = state
+        .store
+        .counts(state.queues.now())
+        .await?
+        .into_iter()
+        .collect();
+    let mut queues: Vec<_> = state.queues.iter().collect();
+    queues.sort_by(|a, b| a.config.name.cmp(&b.config.name));
+    let list: Vec<Value> = queues
+        .into_iter()
+        .map(|q| {
+            let slot = q.plugin();
+            json!({
+                "name": q.config.name,
+                "plugin": q.config.plugin,
+                "namespace": q.config.namespace,
+                "concurrency": q.config.concurrency,
+                "version": slot.plugin.as_ref().map(|p| p.version.clone()),
+                "loaded_at": slot.plugin.as_ref().map(|p| time(p.loaded_at)),
+                "load_error": slot.error,
+                "counts": counts.get(&q.config.name).cloned().unwrap_or_default(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({"queues": list})))
+}
+
+async fn get_document(
+    State(state): State<AppState>,
+    Path((collection, id)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    let (doc, version) = state
+        .store
+        .index_get(&collection, &id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no document {id:?} in collection {collection:?}"),
+            )
+        })?;
+    let document = serde_json::from_str::<Value>(&doc).unwrap_or(Value::String(doc));
+    Ok(Json(
+        json!({"collection": collection, "id": id, "version": version, "document": document}),
+    ))
+}
+
+async fn render_metrics(State(state): State<AppState>) -> ApiResult<Response> {
+    let Some(handle) = &state.metrics else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "metrics are off",
+        ));
+    };
+    let counts = state.store.counts(state.queues.now()).await?;
+    for (queue, c) in counts {
+        for s in JobState::ALL {
+            metrics::gauge!("khata_queue_depth", "queue" => queue.clone(), "state" => s.as_str())
+                .set(c.get(s) as f64);
+        }
+    }
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+        .into_response())
+}

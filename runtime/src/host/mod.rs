@@ -1,0 +1,408 @@
+//! The WebAssembly host: one engine, compiled plugins, and one fresh store
+//! per attempt.
+//!
+//! - [`Host`] owns the wasmtime [`Engine`] (component model, async, pooling
+//!   allocator, epoch interruption) and the [`Linker`] with WASI p2 — granting
+//!   nothing: no directories, environment, sockets or name lookup — and the
+//!   khata interfaces, bound to [`Effects`].
+//! - [`Plugin`] is one compiled, pre-instantiated version of a `.wasm` file,
+//!   named by its content hash. An attempt keeps the `Arc<Plugin>` it started
+//!   with, so a newer version never changes a running attempt.
+//! - [`Host::run`] instantiates the plugin in a new store with the queue's
+//!   limits and calls `handle`. Whatever the guest does — loop, trap, exhaust
+//!   memory, overflow its stack — ends as a [`RunOutcome`]; it never reaches
+//!   the daemon.
+//!
+//! Traps (host faults, limits) are kept apart from the errors a guest sees:
+//! effect errors go back to the guest as WIT values, limits end the attempt.
+
+mod bindings;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, StoreLimits,
+    StoreLimitsBuilder, Trap,
+};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+pub use bindings::Capability;
+use bindings::{Handler, HandlerPre};
+
+use crate::effects::Effects;
+use crate::job::Millis;
+
+/// How often the epoch advances; the granularity of `timeout`.
+const EPOCH_TICK: Duration = Duration::from_millis(10);
+/// Captured guest stdout and stderr, per attempt.
+const STDIO_CAPTURE: usize = 16 * 1024;
+
+/// Why a plugin could not be loaded. The previous version, if any, stays.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("plugin {plugin:?}: cannot read {path}: {error}")]
+    Read {
+        plugin: String,
+        path: String,
+        error: std::io::Error,
+    },
+    #[error("plugin {plugin:?}: not a WebAssembly component: {error}")]
+    NotAComponent { plugin: String, error: String },
+    #[error("plugin {plugin:?}: does not fit the khata:plugin/handler world: {error}")]
+    WrongWorld { plugin: String, error: String },
+}
+
+/// One compiled version of a plugin.
+pub struct Plugin {
+    pub name: String,
+    /// Hex SHA-256 of the `.wasm` file.
+    pub version: String,
+    pub loaded_at: Millis,
+    /// The khata interfaces the component imports.
+    pub imports: BTreeSet<Capability>,
+    pre: HandlerPre<AttemptState>,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("name", &self.name)
+            .field("version", &self.version)
+            .field("imports", &self.imports)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The limits of one attempt (from the queue's configuration).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub timeout: Duration,
+    pub memory: u64,
+    pub max_result: u64,
+    /// Bytes of `log` output kept per attempt; the rest is dropped with a note.
+    pub log_bytes: usize,
+}
+
+/// The job as the handler sees it.
+#[derive(Clone, Debug)]
+pub struct JobInput {
+    pub id: String,
+    pub queue: String,
+    pub payload: String,
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub enqueued_at: Millis,
+}
+
+/// How a run ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunOutcome {
+    /// The handler returned this JSON text.
+    Ok(String),
+    /// The handler asked to retry.
+    Retry(String),
+    /// The handler failed permanently.
+    Fail(String),
+    /// The guest trapped or broke a limit other than time.
+    Trap(String),
+    /// The attempt ran out of time.
+    Timeout(String),
+}
+
+/// The data of one attempt's store.
+pub struct AttemptState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limits: StoreLimits,
+    effects: Effects,
+    log: LogBudget,
+}
+
+impl WasiView for AttemptState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+/// Tags and bounds the `log` output of one attempt.
+struct LogBudget {
+    job_id: String,
+    queue: String,
+    attempt: u32,
+    version: String,
+    left: usize,
+    truncated: bool,
+}
+
+/// The engine and linker shared by every attempt.
+pub struct Host {
+    engine: Engine,
+    linker: Linker<AttemptState>,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Sizes of the instance pool.
+#[derive(Clone, Debug)]
+pub struct PoolSize {
+    /// Instances alive at once (the sum of the queues' concurrency, plus room).
+    pub instances: u32,
+    /// The largest linear memory any queue allows.
+    pub max_memory: u64,
+}
+
+impl Host {
+    pub fn new(pool: &PoolSize) -> anyhow::Result<Host> {
+        let mut config = Config::new();
+        config.wasm_component_model(true);
+        config.epoch_interruption(true);
+        config.max_wasm_stack(512 * 1024);
+        let mut pooling = PoolingAllocationConfig::new();
+        let instances = pool.instances.max(16);
+        pooling
+            .total_component_instances(instances)
+            .total_core_instances(instances * 16)
+            .total_memories(instances * 4)
+            .total_tables(instances * 4)
+            .total_stacks(instances)
+            .max_memories_per_component(8)
+            .max_tables_per_component(8)
+            .max_core_instances_per_component(32)
+            .max_memory_size(usize::try_from(pool.max_memory).unwrap_or(usize::MAX));
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
+        let engine = Engine::new(&config)?;
+
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        Handler::add_to_linker::<AttemptState, HasSelf<AttemptState>>(&mut linker, |s| s)?;
+
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let weak: Weak<AtomicBool> = Arc::downgrade(&ticker_stop);
+        let ticking = engine.clone();
+        std::thread::Builder::new()
+            .name("khata-epoch".into())
+            .spawn(move || {
+                while let Some(stop) = weak.upgrade() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    drop(stop);
+                    std::thread::sleep(EPOCH_TICK);
+                    ticking.increment_epoch();
+                }
+            })?;
+        Ok(Host {
+            engine,
+            linker,
+            ticker_stop,
+        })
+    }
+
+    /// Reads and compiles `path` as plugin `name`.
+    pub fn load_file(&self, name: &str, path: &Path) -> Result<Plugin, LoadError> {
+        let bytes = std::fs::read(path).map_err(|error| LoadError::Read {
+            plugin: name.to_owned(),
+            path: path.display().to_string(),
+            error,
+        })?;
+        self.load(name, &bytes)
+    }
+
+    /// Compiles `bytes` as plugin `name` and checks that it fits the world.
+    pub fn load(&self, name: &str, bytes: &[u8]) -> Result<Plugin, LoadError> {
+        let version = hex::encode(Sha256::digest(bytes));
+        let component =
+            Component::new(&self.engine, bytes).map_err(|e| LoadError::NotAComponent {
+                plugin: name.to_owned(),
+                error: format!("{e:#}"),
+            })?;
+        let wrong_world = |e: wasmtime::Error| LoadError::WrongWorld {
+            plugin: name.to_owned(),
+            error: format!("{e:#}"),
+        };
+        let imports = component
+            .component_type()
+            .imports(&self.engine)
+            .filter_map(|(import, _)| Capability::from_import(import))
+            .collect();
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(wrong_world)?;
+        let pre = HandlerPre::new(pre).map_err(wrong_world)?;
+        Ok(Plugin {
+            name: name.to_owned(),
+            version,
+            loaded_at: Millis::now(),
+            imports,
+            pre,
+        })
+    }
+
+    /// Runs one attempt of `job` on `plugin`.
+    pub async fn run(
+        &self,
+        plugin: &Plugin,
+        job: JobInput,
+        effects: Effects,
+        limits: &Limits,
+    ) -> RunOutcome {
+        let stdout = MemoryOutputPipe::new(STDIO_CAPTURE);
+        let stderr = MemoryOutputPipe::new(STDIO_CAPTURE);
+        let wasi = WasiCtx::builder()
+            .stdout(stdout.clone())
+            .stderr(stderr.clone())
+            .build();
+        let state = AttemptState {
+            wasi,
+            table: ResourceTable::new(),
+            limits: StoreLimitsBuilder::new()
+                .memory_size(usize::try_from(limits.memory).unwrap_or(usize::MAX))
+                .table_elements(1 << 20)
+                .instances(64)
+                .trap_on_grow_failure(true)
+                .build(),
+            effects,
+            log: LogBudget {
+                job_id: job.id.clone(),
+                queue: job.queue.clone(),
+                attempt: job.attempt,
+                version: plugin.version.clone(),
+                left: limits.log_bytes,
+                truncated: false,
+            },
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        let ticks = limits.timeout.as_millis() / EPOCH_TICK.as_millis() + 1;
+        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
+        store.epoch_deadline_trap();
+
+        let wit_job = bindings::Job {
+            id: job.id.clone(),
+            queue: job.queue.clone(),
+            payload: job.payload,
+            attempt: job.attempt,
+            max_attempts: job.max_attempts,
+            enqueued_at_ms: u64::try_from(job.enqueued_at.0).unwrap_or(0),
+        };
+        let call = async {
+            let handler: Handler = plugin.pre.instantiate_async(&mut store).await?;
+            handler.call_handle(&mut store, &wit_job).await
+        };
+        // The epoch stops a guest that computes; this stops one that waits in
+        // a host call.
+        let outcome = match tokio::time::timeout(limits.timeout + EPOCH_TICK * 2, call).await {
+            Err(_) => RunOutcome::Timeout(timeout_message(limits.timeout)),
+            Ok(Ok(Ok(result))) => {
+                if result.len() as u64 > limits.max_result {
+                    RunOutcome::Trap(format!(
+                        "result is {} bytes, more than max_result ({} bytes)",
+                        result.len(),
+                        limits.max_result
+                    ))
+                } else if serde_json::from_str::<serde_json::Value>(&result).is_err() {
+                    RunOutcome::Fail(format!(
+                        "result is not JSON: {:?}",
+                        result.chars().take(100).collect::<String>()
+                    ))
+                } else {
+                    RunOutcome::Ok(result)
+                }
+            }
+            Ok(Ok(Err(bindings::JobError::Retry(reason)))) => RunOutcome::Retry(reason),
+            Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(reason),
+            Ok(Err(trap)) => classify_trap(&trap, limits, &stderr.contents()),
+        };
+        drop(store);
+        log_stdio(
+            &job.id,
+            job.attempt,
+            &plugin.name,
+            "stdout",
+            &stdout.contents(),
+        );
+        log_stdio(
+            &job.id,
+            job.attempt,
+            &plugin.name,
+            "stderr",
+            &stderr.contents(),
+        );
+        outcome
+    }
+}
+
+fn timeout_message(timeout: Duration) -> String {
+    format!(
+        "timeout: the attempt ran longer than the queue's timeout of {}",
+        humantime::format_duration(timeout)
+    )
+}
+
+/// Turns a wasmtime error into a clear attempt error.
+fn classify_trap(err: &wasmtime::Error, limits: &Limits, stderr: &[u8]) -> RunOutcome {
+    let panic = String::from_utf8_lossy(stderr)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" | ");
+    let with_panic = |msg: String| {
+        if panic.is_empty() {
+            msg
+        } else {
+            format!("{msg}; guest stderr: {panic}")
+        }
+    };
+    match err.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => RunOutcome::Timeout(timeout_message(limits.timeout)),
+        Some(Trap::StackOverflow) => RunOutcome::Trap(with_panic(
+            "trap: wasm stack overflow (recursion too deep)".into(),
+        )),
+        Some(trap) => RunOutcome::Trap(with_panic(format!("trap: {trap}"))),
+        None => {
+            let text = format!("{err:#}");
+            if text.contains("forcing trap when growing memory")
+                || text.contains("memory") && text.contains("limit")
+            {
+                RunOutcome::Trap(format!(
+                    "memory limit: the guest tried to grow its memory past the queue's memory limit of {} ({text})",
+                    bytesize::ByteSize(limits.memory)
+                ))
+            } else {
+                RunOutcome::Trap(with_panic(format!("trap: {text}")))
+            }
+        }
+    }
+}
+
+fn log_stdio(job_id: &str, attempt: u32, plugin: &str, stream: &str, bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    for line in String::from_utf8_lossy(bytes).lines() {
+        tracing::info!(job = job_id, attempt, plugin, stream, "{line}");
+    }
+}

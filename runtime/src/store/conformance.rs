@@ -1,0 +1,731 @@
+//! The conformance suite every [`Store`] backend passes unchanged.
+//!
+//! Each check takes a fresh, empty store and uses the trait only. A backend
+//! runs the whole suite with [`conformance_tests!`](crate::conformance_tests):
+//!
+//! ```ignore
+//! khata::conformance_tests!(|| async { MyStore::open_temp().await });
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{JobFilter, Store, StoreError, UpsertOutcome};
+use crate::job::{AttemptOutcome, Finish, JobState, LeaseRef, Millis, NewJob};
+
+/// Generates one `#[tokio::test]` per conformance check. `$open` is an
+/// expression for a closure returning a future of `(guard, Arc<dyn Store>)`;
+/// the guard (a temporary directory, say) lives as long as the check.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($open:expr) => {
+        $crate::conformance_tests!(@each $open;
+            enqueue_and_read, id_dedup, batch_is_all_or_none, dedup_key_while_live,
+            dedup_for_holds_after_end, dedup_release_is_compare_and_swap, delivery_order,
+            delayed_jobs_wait, tokens_grow_and_leases_are_exclusive, finish_outcomes,
+            budget_and_dead, interrupted_is_not_counted, cancel_and_retry, recover_abandoned,
+            kv_semantics_and_fencing, index_versions, sweep_retention, counts_and_pages,
+            concurrent_enqueue_one_id);
+    };
+    (@each $open:expr; $($name:ident),*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let (_guard, store) = ($open)().await;
+                $crate::store::conformance::$name(store).await;
+            }
+        )*
+    };
+}
+
+const T0: Millis = Millis(1_700_000_000_000);
+
+fn at(ms: i64) -> Millis {
+    Millis(T0.0 + ms)
+}
+
+fn new_job(queue: &str, payload: &str) -> NewJob {
+    NewJob {
+        queue: queue.to_owned(),
+        id: None,
+        payload: payload.to_owned(),
+        priority: 0,
+        run_at: T0,
+        max_attempts: 3,
+        dedup_key: None,
+        dedup_for: None,
+    }
+}
+
+fn with_id(mut j: NewJob, id: &str) -> NewJob {
+    j.id = Some(id.to_owned());
+    j
+}
+
+fn with_key(mut j: NewJob, key: &str) -> NewJob {
+    j.dedup_key = Some(key.to_owned());
+    j
+}
+
+async fn enqueue1(s: &dyn Store, j: NewJob, now: Millis) -> (String, bool) {
+    let r = s.enqueue(vec![j], now).await.expect("enqueue");
+    (r[0].job.id.clone(), r[0].deduplicated)
+}
+
+async fn lease1(s: &dyn Store, queue: &str, now: Millis) -> crate::job::Lease {
+    let mut l = s.lease(queue, 1, now).await.expect("lease");
+    assert_eq!(l.len(), 1, "expected one job to lease in {queue}");
+    l.remove(0)
+}
+
+async fn state(s: &dyn Store, id: &str, now: Millis) -> JobState {
+    s.job(id, now)
+        .await
+        .expect("job")
+        .expect("job exists")
+        .state
+}
+
+async fn complete(s: &dyn Store, lease: &crate::job::Lease, now: Millis) {
+    s.finish(
+        &lease.fence(),
+        Finish::Completed {
+            result: "{}".into(),
+        },
+        now,
+    )
+    .await
+    .expect("finish");
+}
+
+pub async fn enqueue_and_read(s: Arc<dyn Store>) {
+    let r = s
+        .enqueue(vec![new_job("q", r#"{"a":1}"#)], T0)
+        .await
+        .unwrap();
+    assert_eq!(r.len(), 1);
+    assert!(!r[0].deduplicated);
+    let job = s.job(&r[0].job.id, T0).await.unwrap().unwrap();
+    assert_eq!(job.queue, "q");
+    assert_eq!(job.payload, r#"{"a":1}"#);
+    assert_eq!(job.state, JobState::Waiting);
+    assert_eq!(job.attempt, 0);
+    assert_eq!(job.enqueued_at, T0);
+    assert!(s.job("no-such-job", T0).await.unwrap().is_none());
+}
+
+pub async fn id_dedup(s: Arc<dyn Store>) {
+    let (a, d1) = enqueue1(&*s, with_id(new_job("q", "1"), "order-1"), T0).await;
+    assert_eq!((a.as_str(), d1), ("order-1", false));
+    let (b, d2) = enqueue1(&*s, with_id(new_job("q", "1"), "order-1"), at(5)).await;
+    assert_eq!((b.as_str(), d2), ("order-1", true));
+    let err = s
+        .enqueue(vec![with_id(new_job("q", "2"), "order-1")], at(6))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::IdReused { ref id, index: 0 } if id == "order-1"),
+        "{err:?}"
+    );
+    // The id stays taken after the job ends.
+    let l = lease1(&*s, "q", at(7)).await;
+    complete(&*s, &l, at(8)).await;
+    let (_, d3) = enqueue1(&*s, with_id(new_job("q", "1"), "order-1"), at(9)).await;
+    assert!(d3);
+    assert_eq!(
+        s.jobs(
+            JobFilter {
+                limit: 100,
+                ..Default::default()
+            },
+            at(9)
+        )
+        .await
+        .unwrap()
+        .jobs
+        .len(),
+        1
+    );
+}
+
+pub async fn batch_is_all_or_none(s: Arc<dyn Store>) {
+    enqueue1(&*s, with_id(new_job("q", "1"), "taken"), T0).await;
+    let err = s
+        .enqueue(
+            vec![
+                with_id(new_job("q", "x"), "fresh-1"),
+                with_id(new_job("q", "other"), "taken"),
+            ],
+            T0,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::IdReused { index: 1, .. }),
+        "{err:?}"
+    );
+    assert!(
+        s.job("fresh-1", T0).await.unwrap().is_none(),
+        "a refused batch wrote nothing"
+    );
+    let ok = s
+        .enqueue(
+            vec![
+                new_job("q", "a"),
+                new_job("q", "b"),
+                with_id(new_job("q", "1"), "taken"),
+            ],
+            T0,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        ok.iter().map(|e| e.deduplicated).collect::<Vec<_>>(),
+        [false, false, true]
+    );
+}
+
+pub async fn dedup_key_while_live(s: Arc<dyn Store>) {
+    let (a, _) = enqueue1(&*s, with_key(new_job("q", "1"), "k"), T0).await;
+    let (b, d) = enqueue1(&*s, with_key(new_job("q", "other payload"), "k"), at(1)).await;
+    assert_eq!(
+        (b.as_str(), d),
+        (a.as_str(), true),
+        "live key deduplicates whatever the payload"
+    );
+    // Another queue has its own keys.
+    let (_, d_other) = enqueue1(&*s, with_key(new_job("q2", "1"), "k"), at(1)).await;
+    assert!(!d_other);
+    let l = lease1(&*s, "q", at(2)).await;
+    let (c, d) = enqueue1(&*s, with_key(new_job("q", "1"), "k"), at(3)).await;
+    assert_eq!(
+        (c.as_str(), d),
+        (a.as_str(), true),
+        "an active job holds its key"
+    );
+    complete(&*s, &l, at(4)).await;
+    let (e, d) = enqueue1(&*s, with_key(new_job("q", "1"), "k"), at(5)).await;
+    assert!(!d && e != a, "the key is free once its job completed");
+}
+
+pub async fn dedup_for_holds_after_end(s: Arc<dyn Store>) {
+    let mut j = with_key(new_job("q", "1"), "k");
+    j.dedup_for = Some(Duration::from_secs(60));
+    let (a, _) = enqueue1(&*s, j.clone(), T0).await;
+    let l = lease1(&*s, "q", at(1)).await;
+    complete(&*s, &l, at(2)).await;
+    let (b, d) = enqueue1(&*s, with_key(new_job("q", "1"), "k"), at(30_000)).await;
+    assert_eq!(
+        (b.as_str(), d),
+        (a.as_str(), true),
+        "held for dedup_for after completion"
+    );
+    let (c, d) = enqueue1(&*s, with_key(new_job("q", "1"), "k"), at(60_001)).await;
+    assert!(!d && c != a, "free after dedup_for");
+}
+
+pub async fn dedup_release_is_compare_and_swap(s: Arc<dyn Store>) {
+    // Job A holds the key; an operator cancels it; job B takes the key; A is
+    // retried and dead-lettered: B must keep the key.
+    let (a, _) = enqueue1(&*s, with_key(new_job("q", "a"), "k"), T0).await;
+    s.cancel(&a, at(1)).await.unwrap();
+    let (b, d) = enqueue1(&*s, with_key(new_job("q", "b"), "k"), at(2)).await;
+    assert!(!d && b != a);
+    s.retry(&a, at(3)).await.unwrap();
+    let la = lease1(&*s, "q", at(4)).await;
+    let lb = lease1(&*s, "q", at(4)).await;
+    let (first, second) = if la.job_id == a { (la, lb) } else { (lb, la) };
+    assert_eq!(first.job_id, a);
+    s.finish(
+        &first.fence(),
+        Finish::Fail {
+            outcome: AttemptOutcome::Failed,
+            error: "x".into(),
+        },
+        at(5),
+    )
+    .await
+    .unwrap();
+    let (c, d) = enqueue1(&*s, with_key(new_job("q", "c"), "k"), at(6)).await;
+    assert_eq!((c.as_str(), d), (b.as_str(), true), "B still holds the key");
+    complete(&*s, &second, at(7)).await;
+}
+
+pub async fn delivery_order(s: Arc<dyn Store>) {
+    let mut jobs = Vec::new();
+    for (name, priority, run_at) in [
+        ("p0-early", 0, -20),
+        ("p0-late", 0, -10),
+        ("p5", 5, -5),
+        ("p0-early-2", 0, -20),
+        ("p9", 9, 0),
+    ] {
+        let mut j = with_id(new_job("q", "{}"), name);
+        j.priority = priority;
+        j.run_at = at(run_at);
+        jobs.push(j);
+    }
+    s.enqueue(jobs, T0).await.unwrap();
+    let order: Vec<String> = s
+        .lease("q", 10, T0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.job_id)
+        .collect();
+    assert_eq!(order, ["p9", "p5", "p0-early", "p0-early-2", "p0-late"]);
+}
+
+pub async fn delayed_jobs_wait(s: Arc<dyn Store>) {
+    let mut j = with_id(new_job("q", "{}"), "later");
+    j.run_at = at(1_000);
+    s.enqueue(vec![j], T0).await.unwrap();
+    assert_eq!(state(&*s, "later", T0).await, JobState::Delayed);
+    assert_eq!(s.next_run_at("q").await.unwrap(), Some(at(1_000)));
+    assert!(s.lease("q", 10, at(999)).await.unwrap().is_empty());
+    assert_eq!(state(&*s, "later", at(1_000)).await, JobState::Waiting);
+    let l = lease1(&*s, "q", at(1_000)).await;
+    assert_eq!(l.job_id, "later");
+    complete(&*s, &l, at(1_001)).await;
+    assert_eq!(s.next_run_at("q").await.unwrap(), None);
+}
+
+pub async fn tokens_grow_and_leases_are_exclusive(s: Arc<dyn Store>) {
+    s.enqueue((0..5).map(|i| new_job("q", &i.to_string())).collect(), T0)
+        .await
+        .unwrap();
+    let a = s.lease("q", 3, T0).await.unwrap();
+    let b = s.lease("q", 3, T0).await.unwrap();
+    assert_eq!((a.len(), b.len()), (3, 2));
+    let tokens: Vec<u64> = a.iter().chain(&b).map(|l| l.token).collect();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens grow: {tokens:?}"
+    );
+    let mut ids: Vec<&str> = a.iter().chain(&b).map(|l| l.job_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "no job leased twice");
+    assert!(s.lease("q", 3, T0).await.unwrap().is_empty());
+    assert!(a.iter().all(|l| l.attempt == 1));
+}
+
+pub async fn finish_outcomes(s: Arc<dyn Store>) {
+    let (id, _) = enqueue1(&*s, new_job("q", "{}"), T0).await;
+    let l = lease1(&*s, "q", T0).await;
+    let next = s
+        .finish(
+            &l.fence(),
+            Finish::Retry {
+                outcome: AttemptOutcome::Retry,
+                error: "busy".into(),
+                run_at: at(500),
+            },
+            at(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(next, JobState::Delayed);
+    let job = s.job(&id, at(10)).await.unwrap().unwrap();
+    assert_eq!(job.last_error.as_deref(), Some("busy"));
+    assert_eq!(job.attempts.len(), 1);
+    assert_eq!(job.attempts[0].outcome, AttemptOutcome::Retry);
+    assert_eq!(job.attempts[0].ended_at, Some(at(10)));
+    let l2 = lease1(&*s, "q", at(500)).await;
+    assert_eq!(l2.attempt, 2);
+    assert!(l2.token > l.token);
+    // The first attempt's lease is gone: its finish is fenced.
+    let stale = s
+        .finish(
+            &l.fence(),
+            Finish::Completed { result: "1".into() },
+            at(501),
+        )
+        .await;
+    assert!(matches!(stale, Err(StoreError::Fenced { .. })), "{stale:?}");
+    s.finish(
+        &l2.fence(),
+        Finish::Completed {
+            result: r#"{"ok":true}"#.into(),
+        },
+        at(502),
+    )
+    .await
+    .unwrap();
+    let job = s.job(&id, at(502)).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Completed);
+    assert_eq!(job.result.as_deref(), Some(r#"{"ok":true}"#));
+    assert_eq!(job.finished_at, Some(at(502)));
+    assert_eq!(
+        job.attempts.iter().map(|a| a.outcome).collect::<Vec<_>>(),
+        [AttemptOutcome::Retry, AttemptOutcome::Completed]
+    );
+    assert!(
+        s.lease("q", 10, at(10_000)).await.unwrap().is_empty(),
+        "a completed job never runs again"
+    );
+}
+
+pub async fn budget_and_dead(s: Arc<dyn Store>) {
+    let (id, _) = enqueue1(&*s, new_job("q", "{}"), T0).await; // max_attempts 3
+    for n in 1..=3 {
+        let l = lease1(&*s, "q", at(n)).await;
+        assert_eq!(l.attempt, u32::try_from(n).unwrap());
+        let next = s
+            .finish(
+                &l.fence(),
+                Finish::Retry {
+                    outcome: AttemptOutcome::Trapped,
+                    error: format!("trap {n}"),
+                    run_at: at(n),
+                },
+                at(n),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            next,
+            if n < 3 {
+                JobState::Waiting
+            } else {
+                JobState::Dead
+            }
+        );
+    }
+    let job = s.job(&id, at(10)).await.unwrap().unwrap();
+    assert!(job.last_error.unwrap().contains("trap 3"));
+    // fail is dead at once.
+    let (id2, _) = enqueue1(&*s, new_job("q", "2"), at(20)).await;
+    let l = lease1(&*s, "q", at(20)).await;
+    let next = s
+        .finish(
+            &l.fence(),
+            Finish::Fail {
+                outcome: AttemptOutcome::Failed,
+                error: "bad card".into(),
+            },
+            at(21),
+        )
+        .await
+        .unwrap();
+    assert_eq!(next, JobState::Dead);
+    assert_eq!(
+        s.job(&id2, at(21))
+            .await
+            .unwrap()
+            .unwrap()
+            .last_error
+            .as_deref(),
+        Some("bad card")
+    );
+}
+
+pub async fn interrupted_is_not_counted(s: Arc<dyn Store>) {
+    let mut j = new_job("q", "{}");
+    j.max_attempts = 1;
+    let (id, _) = enqueue1(&*s, j, T0).await;
+    let l = lease1(&*s, "q", T0).await;
+    s.finish(
+        &l.fence(),
+        Finish::Interrupted {
+            error: "shutdown".into(),
+        },
+        at(1),
+    )
+    .await
+    .unwrap();
+    assert_eq!(state(&*s, &id, at(1)).await, JobState::Waiting);
+    let l = lease1(&*s, "q", at(2)).await;
+    assert_eq!(l.attempt, 2, "attempt numbers never repeat");
+    complete(&*s, &l, at(3)).await;
+    assert_eq!(state(&*s, &id, at(3)).await, JobState::Completed);
+}
+
+pub async fn cancel_and_retry(s: Arc<dyn Store>) {
+    let (waiting, _) = enqueue1(&*s, new_job("q", "1"), T0).await;
+    let (job, was_active) = s.cancel(&waiting, at(1)).await.unwrap();
+    assert_eq!((job.state, was_active), (JobState::Cancelled, false));
+    assert!(matches!(
+        s.cancel(&waiting, at(1)).await,
+        Err(StoreError::InvalidState { .. })
+    ));
+    assert!(matches!(
+        s.cancel("nope", at(1)).await,
+        Err(StoreError::NotFound(_))
+    ));
+
+    let (active, _) = enqueue1(&*s, new_job("q", "2"), at(2)).await;
+    let l = lease1(&*s, "q", at(2)).await;
+    assert_eq!(l.job_id, active);
+    let (_, was_active) = s.cancel(&active, at(3)).await.unwrap();
+    assert!(was_active);
+    let kv = s.kv_put(&l.fence(), "ns", "k", b"v".to_vec()).await;
+    assert!(
+        matches!(kv, Err(StoreError::Fenced { .. })),
+        "a cancelled attempt is fenced: {kv:?}"
+    );
+    let fin = s
+        .finish(&l.fence(), Finish::Completed { result: "1".into() }, at(4))
+        .await;
+    assert!(matches!(fin, Err(StoreError::Fenced { .. })));
+    let job = s.job(&active, at(4)).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Cancelled);
+    assert_eq!(job.attempts[0].outcome, AttemptOutcome::Cancelled);
+
+    let retried = s.retry(&active, at(5)).await.unwrap();
+    assert_eq!(retried.state, JobState::Waiting);
+    assert!(matches!(
+        s.retry(&active, at(5)).await,
+        Err(StoreError::InvalidState { .. })
+    ));
+    let l = lease1(&*s, "q", at(6)).await;
+    assert_eq!((l.job_id.as_str(), l.attempt), (active.as_str(), 2));
+}
+
+pub async fn recover_abandoned(s: Arc<dyn Store>) {
+    let mut last = new_job("q", "last");
+    last.max_attempts = 1;
+    s.enqueue(
+        vec![with_id(new_job("q", "1"), "a"), with_id(last, "b")],
+        T0,
+    )
+    .await
+    .unwrap();
+    let leases = s.lease("q", 2, T0).await.unwrap();
+    assert_eq!(leases.len(), 2);
+    assert_eq!(s.recover(at(100)).await.unwrap(), 2);
+    let a = s.job("a", at(100)).await.unwrap().unwrap();
+    assert_eq!(a.state, JobState::Waiting);
+    assert_eq!(a.attempts[0].outcome, AttemptOutcome::Abandoned);
+    assert_eq!(a.budget_used, 1, "an abandoned attempt counts");
+    assert_eq!(
+        s.job("b", at(100)).await.unwrap().unwrap().state,
+        JobState::Dead
+    );
+    let kv = s.kv_get(&leases[0].fence(), "ns", "k").await;
+    assert!(matches!(kv, Err(StoreError::Fenced { .. })));
+    let again = lease1(&*s, "q", at(100)).await;
+    assert_eq!((again.job_id.as_str(), again.attempt), ("a", 2));
+    assert!(again.token > leases[1].token);
+}
+
+pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
+    enqueue1(&*s, new_job("q", "{}"), T0).await;
+    let l = lease1(&*s, "q", T0).await.fence();
+    assert_eq!(s.kv_get(&l, "ns", "k").await.unwrap(), None);
+    assert!(
+        s.kv_insert_if_absent(&l, "ns", "k", b"1".to_vec())
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.kv_insert_if_absent(&l, "ns", "k", b"2".to_vec())
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        s.kv_get(&l, "ns", "k").await.unwrap().as_deref(),
+        Some(&b"1"[..])
+    );
+    assert_eq!(
+        s.kv_get(&l, "other-ns", "k").await.unwrap(),
+        None,
+        "namespaces are apart"
+    );
+    s.kv_put(&l, "ns", "k", b"3".to_vec()).await.unwrap();
+    assert_eq!(
+        s.kv_get(&l, "ns", "k").await.unwrap().as_deref(),
+        Some(&b"3"[..])
+    );
+    assert!(s.kv_delete(&l, "ns", "k").await.unwrap());
+    assert!(!s.kv_delete(&l, "ns", "k").await.unwrap());
+    let forged = LeaseRef {
+        job_id: l.job_id.clone(),
+        token: l.token + 1000,
+    };
+    assert!(matches!(
+        s.kv_put(&forged, "ns", "k", vec![]).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(
+        s.kv_get(&l, "ns", "k").await.unwrap(),
+        None,
+        "a fenced write changed nothing"
+    );
+}
+
+pub async fn index_versions(s: Arc<dyn Store>) {
+    enqueue1(&*s, new_job("q", "{}"), T0).await;
+    let lease = lease1(&*s, "q", T0).await;
+    let l = lease.fence();
+    let up = |doc: &'static str, v: u64| {
+        let (s, l) = (Arc::clone(&s), l.clone());
+        async move {
+            s.index_upsert(&l, "products", "p1", doc, v, T0)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(up("v10", 10).await, UpsertOutcome::Inserted);
+    assert_eq!(up("v10", 10).await, UpsertOutcome::Unchanged);
+    assert_eq!(up("v5", 5).await, UpsertOutcome::Stale);
+    assert_eq!(up("v20", 20).await, UpsertOutcome::Updated);
+    assert_eq!(
+        s.index_get_leased(&l, "products", "p1")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("v20")
+    );
+    assert!(
+        !s.index_remove(&l, "products", "p1", 15, T0).await.unwrap(),
+        "older remove ignored"
+    );
+    assert!(s.index_remove(&l, "products", "p1", 25, T0).await.unwrap());
+    assert_eq!(
+        s.index_get_leased(&l, "products", "p1").await.unwrap(),
+        None
+    );
+    assert_eq!(
+        up("v21", 21).await,
+        UpsertOutcome::Stale,
+        "the tombstone keeps its version"
+    );
+    assert_eq!(up("v30", 30).await, UpsertOutcome::Inserted);
+    // Operators read committed state: the attempt's end carries the writes.
+    complete(&*s, &lease, at(1)).await;
+    assert_eq!(
+        s.index_get("products", "p1").await.unwrap(),
+        Some(("v30".into(), 30))
+    );
+    assert_eq!(s.index_get("other", "p1").await.unwrap(), None);
+}
+
+pub async fn sweep_retention(s: Arc<dyn Store>) {
+    let day = Duration::from_secs(86_400);
+    s.enqueue(
+        vec![
+            with_id(new_job("q", "1"), "old"),
+            with_id(new_job("q", "2"), "dead"),
+            with_id(new_job("q", "3"), "fresh"),
+        ],
+        T0,
+    )
+    .await
+    .unwrap();
+    let ls = s.lease("q", 3, T0).await.unwrap();
+    for l in &ls {
+        let finish = if l.job_id == "dead" {
+            Finish::Fail {
+                outcome: AttemptOutcome::Failed,
+                error: "x".into(),
+            }
+        } else {
+            Finish::Completed { result: "1".into() }
+        };
+        let when = if l.job_id == "fresh" {
+            T0.plus(day * 6)
+        } else {
+            T0
+        };
+        s.finish(&l.fence(), finish, when).await.unwrap();
+    }
+    let now = T0.plus(day * 7 + Duration::from_secs(1));
+    let swept = s.sweep(now, day * 7, day * 30, 100).await.unwrap();
+    assert_eq!(swept.jobs, 1);
+    assert!(s.job("old", now).await.unwrap().is_none());
+    assert!(
+        s.job("dead", now).await.unwrap().is_some(),
+        "dead jobs stay until removed"
+    );
+    assert!(s.job("fresh", now).await.unwrap().is_some());
+}
+
+pub async fn counts_and_pages(s: Arc<dyn Store>) {
+    let mut delayed = new_job("a", "d");
+    delayed.run_at = at(1_000);
+    s.enqueue(
+        vec![
+            new_job("a", "1"),
+            new_job("a", "2"),
+            new_job("a", "3"),
+            delayed,
+            new_job("b", "1"),
+        ],
+        T0,
+    )
+    .await
+    .unwrap();
+    let l = lease1(&*s, "a", T0).await;
+    complete(&*s, &l, T0).await;
+    let counts = s.counts(T0).await.unwrap();
+    let a = &counts.iter().find(|(q, _)| q == "a").unwrap().1;
+    assert_eq!((a.waiting, a.delayed, a.completed, a.active), (2, 1, 1, 0));
+    let b = &counts.iter().find(|(q, _)| q == "b").unwrap().1;
+    assert_eq!(b.waiting, 1);
+
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = s
+            .jobs(
+                JobFilter {
+                    queue: Some("a".into()),
+                    state: None,
+                    limit: 2,
+                    cursor,
+                },
+                T0,
+            )
+            .await
+            .unwrap();
+        seen.extend(page.jobs.into_iter().map(|j| j.id));
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 4);
+    let delayed = s
+        .jobs(
+            JobFilter {
+                state: Some(JobState::Delayed),
+                limit: 10,
+                ..Default::default()
+            },
+            T0,
+        )
+        .await
+        .unwrap();
+    assert_eq!(delayed.jobs.len(), 1);
+    assert_eq!(delayed.jobs[0].payload, "d");
+}
+
+pub async fn concurrent_enqueue_one_id(s: Arc<dyn Store>) {
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { enqueue1(&*s, with_id(new_job("q", "1"), "same"), T0).await })
+        })
+        .collect();
+    let mut created = 0;
+    for t in tasks {
+        let (id, dedup) = t.await.unwrap();
+        assert_eq!(id, "same");
+        created += usize::from(!dedup);
+    }
+    assert_eq!(created, 1);
+    let keyed: Vec<_> = (0..32)
+        .map(|i| {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move {
+                enqueue1(&*s, with_key(new_job("q", &i.to_string()), "key"), T0).await
+            })
+        })
+        .collect();
+    let mut created = 0;
+    for t in keyed {
+        created += usize::from(!t.await.unwrap().1);
+    }
+    assert_eq!(created, 1);
+}

@@ -1,0 +1,209 @@
+//! The ledger: jobs, attempts, dedup keys, kv data, index documents and
+//! fences in one database, behind one trait.
+//!
+//! Every backend keeps the same contract, checked by [`conformance`]:
+//!
+//! - Each method is one atomic step: all of it happens or none of it does.
+//! - A method documented **durable** returns only after its step is committed
+//!   with an fsync (group commit: many steps share one commit).
+//! - A method documented **applied** returns once its step is visible to every
+//!   later step of the store, before its commit; the next durable step
+//!   carries it to disk. Nothing outside the daemon may learn of an applied
+//!   step until a durable one follows it.
+//! - Reads see committed state only, except the handler-facing kv and index
+//!   reads, which see the applied writes that came before them.
+//!
+//! Time is always passed in (`now`), never read here, so that the queue's
+//! clock can be injected.
+
+pub mod conformance;
+pub mod sqlite;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::job::{Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob, StateCounts};
+
+/// Why a store step did not happen. The step changed nothing.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum StoreError {
+    /// An enqueue reused a job id with another payload or queue.
+    #[error("job id {id:?} is already used by a job with another payload or queue")]
+    IdReused { id: String, index: usize },
+    #[error("no job {0:?}")]
+    NotFound(String),
+    /// The job is not in a state the step applies to.
+    #[error("job {id:?} is {state}: {wanted}")]
+    InvalidState {
+        id: String,
+        state: JobState,
+        wanted: &'static str,
+    },
+    /// The caller no longer holds the job's lease.
+    #[error("attempt with fencing token {token} no longer holds job {job_id:?}")]
+    Fenced { job_id: String, token: u64 },
+    /// The database failed or is gone; the step may be retried.
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// What one index upsert did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpsertOutcome {
+    Inserted,
+    Updated,
+    /// Same version as stored: nothing changed.
+    Unchanged,
+    /// Lower version than stored: ignored.
+    Stale,
+}
+
+/// A page of jobs, newest first.
+#[derive(Clone, Debug, Default)]
+pub struct JobFilter {
+    pub queue: Option<String>,
+    pub state: Option<JobState>,
+    pub limit: u32,
+    /// Continue after this cursor (from a previous page).
+    pub cursor: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JobPage {
+    pub jobs: Vec<Job>,
+    pub next_cursor: Option<String>,
+}
+
+/// What one retention pass removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    pub jobs: u64,
+    pub fences: u64,
+    pub dedup_keys: u64,
+}
+
+/// The ledger's operations. Every backend implements all of them with the
+/// same semantics; `conformance::run` checks that.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Enqueues `jobs` in one step, all or none, deduplicating by id and by
+    /// dedup key (DESIGN 3). Answers in the order given. **Durable.**
+    async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError>;
+
+    /// Leases up to `max` jobs of `queue` that are waiting with `run_at <= now`,
+    /// in delivery order (priority desc, run_at, enqueue order); each gets a new
+    /// attempt and a fresh fencing token. **Applied.**
+    async fn lease(&self, queue: &str, max: u32, now: Millis) -> Result<Vec<Lease>, StoreError>;
+
+    /// The earliest `run_at` of a waiting job of `queue`, if any. Committed state.
+    async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError>;
+
+    /// Ends the attempt holding `lease` and moves its job. `Fenced` when the
+    /// attempt no longer holds the job (cancelled meanwhile); the attempt's
+    /// record is still closed. Returns the job's new state. **Durable.**
+    async fn finish(
+        &self,
+        lease: &LeaseRef,
+        finish: Finish,
+        now: Millis,
+    ) -> Result<JobState, StoreError>;
+
+    /// Crash recovery, run once at start before any lease: every `active`
+    /// job's attempt is closed as abandoned (counted), and the job goes back to
+    /// waiting at `now`, or to dead when its budget is used up. Returns how
+    /// many jobs were recovered. **Durable.**
+    async fn recover(&self, now: Millis) -> Result<u64, StoreError>;
+
+    /// Cancels a waiting, delayed or active job. An active job's lease is
+    /// revoked: its attempt is fenced from here on. Returns the job and whether
+    /// it was active. **Durable.**
+    async fn cancel(&self, id: &str, now: Millis) -> Result<(Job, bool), StoreError>;
+
+    /// Puts a dead or cancelled job back to waiting with a fresh attempt
+    /// budget. Its fences stay. **Durable.**
+    async fn retry(&self, id: &str, now: Millis) -> Result<Job, StoreError>;
+
+    /// The job with its attempts. Committed state.
+    async fn job(&self, id: &str, now: Millis) -> Result<Option<Job>, StoreError>;
+
+    /// A page of jobs, newest first. Committed state.
+    async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError>;
+
+    /// Job counts by queue and state. Committed state.
+    async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError>;
+
+    /// Removes completed and cancelled jobs finished before `now - jobs`,
+    /// done fences older than `now - fences` and expired dedup keys, at most
+    /// `limit` rows of each per pass. **Durable.**
+    async fn sweep(
+        &self,
+        now: Millis,
+        jobs: Duration,
+        fences: Duration,
+        limit: u32,
+    ) -> Result<Swept, StoreError>;
+
+    // Handler-facing kv and index steps. Each checks first that `lease` still
+    // holds its job (else `Fenced`) and is **applied**: durable no later than
+    // the attempt's next durable step (its finish or an external effect).
+
+    async fn kv_get(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError>;
+    async fn kv_put(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<(), StoreError>;
+    /// True when inserted; false when the key existed (nothing changed).
+    async fn kv_insert_if_absent(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<bool, StoreError>;
+    /// True when a value was deleted.
+    async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError>;
+
+    /// Upserts a document unless the stored version is higher (`Stale`) or
+    /// equal (`Unchanged`).
+    async fn index_upsert(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        document: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<UpsertOutcome, StoreError>;
+    /// Removes a document whose stored version is not higher than `version`,
+    /// leaving a tombstone at `version` so that older upserts stay stale.
+    /// True when a live document was removed.
+    async fn index_remove(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<bool, StoreError>;
+    async fn index_get_leased(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<String>, StoreError>;
+    /// A document and its version, for operators. Committed state.
+    async fn index_get(
+        &self,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<(String, u64)>, StoreError>;
+}

@@ -1,0 +1,1240 @@
+//! The SQLite ledger: WAL, `synchronous = FULL`, one writer with group commit.
+//!
+//! One thread owns the only writing connection. It takes every step waiting
+//! in its channel (up to [`MAX_GROUP`]), applies each inside a savepoint of one
+//! transaction (a failing step rolls back alone), answers the **applied**
+//! steps, commits once — with `synchronous = FULL` the commit fsyncs the WAL —
+//! and then answers the **durable** steps. A failed commit fails every
+//! durable step of the group; the applied ones were only visible to steps of
+//! the same group, which fail with it, so nothing outside learns of them.
+//!
+//! Readers use their own connections, which see committed state only.
+//!
+//! A lock file in the data directory keeps a second daemon off the ledger:
+//! crash recovery assumes every `active` job belongs to a dead process.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use rusqlite::{Connection, OptionalExtension, params};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{JobFilter, JobPage, Store, StoreError, Swept, UpsertOutcome};
+use crate::job::{
+    Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
+    StateCounts,
+};
+
+/// Most steps applied in one transaction.
+const MAX_GROUP: usize = 1024;
+/// Reader connections kept open.
+const READERS: usize = 4;
+
+const SCHEMA_VERSION: i64 = 1;
+
+/// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO meta (key, value) VALUES ('fencing_token', 0), ('seq', 0);
+
+-- state is one of waiting, active, completed, dead, cancelled;
+-- 'delayed' is derived: waiting with run_at in the future.
+CREATE TABLE jobs (
+    id           TEXT PRIMARY KEY,
+    queue        TEXT NOT NULL,
+    state        TEXT NOT NULL,
+    payload      TEXT NOT NULL,
+    priority     INTEGER NOT NULL,
+    run_at       INTEGER NOT NULL,
+    seq          INTEGER NOT NULL UNIQUE,
+    attempt      INTEGER NOT NULL DEFAULT 0,
+    budget_used  INTEGER NOT NULL DEFAULT 0,
+    max_attempts INTEGER NOT NULL,
+    dedup_key    TEXT,
+    enqueued_at  INTEGER NOT NULL,
+    finished_at  INTEGER,
+    result       TEXT,
+    last_error   TEXT,
+    lease_token  INTEGER
+);
+-- The ready order.
+CREATE INDEX jobs_ready ON jobs (queue, priority DESC, run_at, seq) WHERE state = 'waiting';
+-- The next job to become due.
+CREATE INDEX jobs_due ON jobs (queue, run_at) WHERE state = 'waiting';
+CREATE INDEX jobs_active ON jobs (state) WHERE state = 'active';
+CREATE INDEX jobs_finished ON jobs (finished_at) WHERE state IN ('completed', 'cancelled');
+CREATE INDEX jobs_queue_state ON jobs (queue, state, seq);
+
+CREATE TABLE attempts (
+    job_id     TEXT NOT NULL,
+    number     INTEGER NOT NULL,
+    token      INTEGER NOT NULL,
+    started_at INTEGER NOT NULL,
+    ended_at   INTEGER,
+    outcome    TEXT NOT NULL,
+    error      TEXT,
+    PRIMARY KEY (job_id, number)
+) WITHOUT ROWID;
+
+-- A dedup key points at the job that holds it; hold_until keeps it held
+-- after that job ends (dedup_for).
+CREATE TABLE dedup (
+    queue      TEXT NOT NULL,
+    key        TEXT NOT NULL,
+    job_id     TEXT NOT NULL,
+    hold_until INTEGER,
+    PRIMARY KEY (queue, key)
+) WITHOUT ROWID;
+
+CREATE TABLE kv (
+    namespace TEXT NOT NULL,
+    key       TEXT NOT NULL,
+    value     BLOB NOT NULL,
+    PRIMARY KEY (namespace, key)
+) WITHOUT ROWID;
+
+-- document NULL is a tombstone that keeps its version.
+CREATE TABLE index_docs (
+    collection TEXT NOT NULL,
+    id         TEXT NOT NULL,
+    version    INTEGER NOT NULL,
+    document   TEXT,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (collection, id)
+) WITHOUT ROWID;
+
+-- One fence per effect (DESIGN 4): started -> done, uncertain, or deleted.
+CREATE TABLE fences (
+    namespace   TEXT NOT NULL,
+    kind        TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    fingerprint BLOB NOT NULL,
+    job_id      TEXT NOT NULL,
+    attempt     INTEGER NOT NULL,
+    token       INTEGER NOT NULL,
+    result      BLOB,
+    created_at  INTEGER NOT NULL,
+    updated_at  INTEGER NOT NULL,
+    PRIMARY KEY (namespace, kind, key)
+) WITHOUT ROWID;
+CREATE INDEX fences_state ON fences (state, updated_at);
+
+-- The effects each attempt performed or replayed.
+CREATE TABLE effects (
+    job_id    TEXT NOT NULL,
+    attempt   INTEGER NOT NULL,
+    n         INTEGER NOT NULL,
+    kind      TEXT NOT NULL,
+    key       TEXT NOT NULL,
+    outcome   TEXT NOT NULL,
+    at        INTEGER NOT NULL,
+    PRIMARY KEY (job_id, attempt, n)
+) WITHOUT ROWID;
+"#];
+
+/// A step for the writer: runs inside the group's transaction and returns
+/// the answer to send once its durability requirement is met.
+type Step = Box<dyn FnOnce(&mut Writer) -> Answer + Send>;
+
+/// Sends a step's result once the group's commit is known.
+type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+struct Request {
+    step: Step,
+    durable: bool,
+}
+
+/// The writer thread's state.
+struct Writer {
+    conn: Connection,
+    next_token: u64,
+    next_seq: i64,
+}
+
+/// A SQLite ledger in one file.
+pub struct SqliteStore {
+    tx: mpsc::UnboundedSender<Request>,
+    readers: Arc<Mutex<Vec<Connection>>>,
+    path: PathBuf,
+    _lock: File,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> StoreError {
+        unavailable(e)
+    }
+}
+
+fn open_conn(path: &Path) -> Result<Connection, StoreError> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(10))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    // FULL: every commit fsyncs the WAL, so a returned commit survives power loss.
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "foreign_keys", "OFF")?;
+    Ok(conn)
+}
+
+fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    if version > SCHEMA_VERSION {
+        return Err(unavailable(format!(
+            "the ledger has schema version {version}, newer than this khata ({SCHEMA_VERSION}); upgrade khata"
+        )));
+    }
+    for (i, sql) in MIGRATIONS
+        .iter()
+        .enumerate()
+        .skip(usize::try_from(version).unwrap_or(0))
+    {
+        let tx = conn.transaction()?;
+        tx.execute_batch(sql)?;
+        tx.pragma_update(
+            None,
+            "user_version",
+            i64::try_from(i + 1).unwrap_or(i64::MAX),
+        )?;
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the ledger `khata.db` in `dir`, migrating
+    /// its schema, and takes the directory's lock.
+    pub fn open(dir: &Path) -> Result<SqliteStore, StoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
+        let lock_path = dir.join("khata.lock");
+        let lock = File::create(&lock_path)
+            .map_err(|e| unavailable(format!("cannot create {}: {e}", lock_path.display())))?;
+        lock.try_lock().map_err(|_| {
+            unavailable(format!(
+                "{} is locked: another khata daemon uses this data directory",
+                lock_path.display()
+            ))
+        })?;
+        let path = dir.join("khata.db");
+        let mut conn = open_conn(&path)?;
+        migrate(&mut conn)?;
+        let next_token: i64 = conn.query_row(
+            "SELECT value FROM meta WHERE key = 'fencing_token'",
+            [],
+            |r| r.get(0),
+        )?;
+        let max_seq: i64 =
+            conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM jobs", [], |r| r.get(0))?;
+        let meta_seq: i64 =
+            conn.query_row("SELECT value FROM meta WHERE key = 'seq'", [], |r| r.get(0))?;
+        let mut readers = Vec::with_capacity(READERS);
+        for _ in 0..READERS {
+            let r = open_conn(&path)?;
+            r.pragma_update(None, "query_only", true)?;
+            readers.push(r);
+        }
+        let writer = Writer {
+            conn,
+            next_token: u64::try_from(next_token).unwrap_or(0) + 1,
+            next_seq: max_seq.max(meta_seq) + 1,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        std::thread::Builder::new()
+            .name("khata-ledger".into())
+            .spawn(move || writer_loop(writer, rx))
+            .map_err(unavailable)?;
+        Ok(SqliteStore {
+            tx,
+            readers: Arc::new(Mutex::new(readers)),
+            path,
+            _lock: lock,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` on the writer inside a savepoint; answers after the commit
+    /// when `durable`, else once applied.
+    async fn write<T, F>(&self, durable: bool, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
+    {
+        let (reply, rx) = oneshot::channel();
+        let step: Step = Box::new(move |w: &mut Writer| {
+            let result = in_savepoint(w, f);
+            Box::new(move |commit: Result<(), StoreError>| {
+                let _ = reply.send(commit.and(result));
+            })
+        });
+        self.tx
+            .send(Request { step, durable })
+            .map_err(|_| unavailable("the ledger writer has stopped"))?;
+        rx.await
+            .map_err(|_| unavailable("the ledger writer has stopped"))?
+    }
+
+    /// Runs `f` on a reader connection on the blocking pool.
+    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+    {
+        let readers = Arc::clone(&self.readers);
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let conn = readers.lock().ok().and_then(|mut v| v.pop());
+            let conn = match conn {
+                Some(c) => c,
+                None => {
+                    let c = open_conn(&path)?;
+                    c.pragma_update(None, "query_only", true)?;
+                    c
+                }
+            };
+            let out = f(&conn);
+            if let Ok(mut v) = readers.lock()
+                && v.len() < READERS
+            {
+                v.push(conn);
+            }
+            out
+        })
+        .await
+        .map_err(unavailable)?
+    }
+}
+
+fn in_savepoint<T>(
+    w: &mut Writer,
+    f: impl FnOnce(&mut Writer) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let saved = (w.next_token, w.next_seq);
+    if let Err(e) = w.conn.execute_batch("SAVEPOINT step") {
+        return Err(e.into());
+    }
+    match f(w) {
+        Ok(v) => {
+            w.conn.execute_batch("RELEASE step")?;
+            Ok(v)
+        }
+        Err(e) => {
+            // Undo the step alone; the group's other steps stand.
+            let _ = w.conn.execute_batch("ROLLBACK TO step; RELEASE step");
+            (w.next_token, w.next_seq) = saved;
+            Err(e)
+        }
+    }
+}
+
+fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
+    let mut group: Vec<Request> = Vec::with_capacity(MAX_GROUP);
+    let mut durable_answers: Vec<Answer> = Vec::with_capacity(MAX_GROUP);
+    while let Some(first) = rx.blocking_recv() {
+        group.push(first);
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(r) => group.push(r),
+                Err(_) => break,
+            }
+        }
+        let began = w.conn.execute_batch("BEGIN IMMEDIATE");
+        if let Err(e) = began {
+            let err = unavailable(e);
+            for r in group.drain(..) {
+                let answer = (r.step)(&mut w);
+                answer(Err(err.clone()));
+            }
+            continue;
+        }
+        let (token_before, seq_before) = (w.next_token, w.next_seq);
+        for r in group.drain(..) {
+            let answer = (r.step)(&mut w);
+            if r.durable {
+                durable_answers.push(answer);
+            } else {
+                answer(Ok(()));
+            }
+        }
+        let started = Instant::now();
+        let committed = persist_counters(&w, token_before, seq_before)
+            .and_then(|()| w.conn.execute_batch("COMMIT").map_err(StoreError::from));
+        metrics::histogram!("khata_store_commit_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!("khata_store_commit_steps").record(durable_answers.len() as f64);
+        if let Err(e) = &committed {
+            tracing::error!(error = %e, "ledger commit failed");
+            let _ = w.conn.execute_batch("ROLLBACK");
+        }
+        for answer in durable_answers.drain(..) {
+            answer(committed.clone());
+        }
+    }
+}
+
+/// Writes the in-memory counters into the group's transaction, so that the
+/// fencing token only grows across restarts.
+fn persist_counters(w: &Writer, token_before: u64, seq_before: i64) -> Result<(), StoreError> {
+    if w.next_token != token_before {
+        w.conn.execute(
+            "UPDATE meta SET value = ?1 WHERE key = 'fencing_token'",
+            [i64::try_from(w.next_token - 1).unwrap_or(i64::MAX)],
+        )?;
+    }
+    if w.next_seq != seq_before {
+        w.conn.execute(
+            "UPDATE meta SET value = ?1 WHERE key = 'seq'",
+            [w.next_seq - 1],
+        )?;
+    }
+    Ok(())
+}
+
+const JOB_COLUMNS: &str = "id, queue, state, payload, priority, attempt, budget_used, max_attempts, \
+     dedup_key, run_at, enqueued_at, finished_at, result, last_error";
+
+fn stored_state(s: &str) -> JobState {
+    s.parse().unwrap_or(JobState::Dead)
+}
+
+/// The reported state: waiting with `run_at` in the future is delayed.
+fn visible_state(stored: JobState, run_at: Millis, now: Millis) -> JobState {
+    if stored == JobState::Waiting && run_at > now {
+        JobState::Delayed
+    } else {
+        stored
+    }
+}
+
+fn job_from_row(r: &rusqlite::Row<'_>, now: Millis) -> rusqlite::Result<Job> {
+    let state: String = r.get(2)?;
+    let run_at = Millis(r.get(9)?);
+    Ok(Job {
+        id: r.get(0)?,
+        queue: r.get(1)?,
+        state: visible_state(stored_state(&state), run_at, now),
+        payload: r.get(3)?,
+        priority: r.get(4)?,
+        attempt: r.get(5)?,
+        budget_used: r.get(6)?,
+        max_attempts: r.get(7)?,
+        dedup_key: r.get(8)?,
+        run_at,
+        enqueued_at: Millis(r.get(10)?),
+        finished_at: r.get::<_, Option<i64>>(11)?.map(Millis),
+        result: r.get(12)?,
+        last_error: r.get(13)?,
+        attempts: Vec::new(),
+    })
+}
+
+fn load_job(conn: &Connection, id: &str, now: Millis) -> Result<Option<Job>, StoreError> {
+    let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1");
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row([id], |r| job_from_row(r, now))
+        .optional()?)
+}
+
+fn load_attempts(conn: &Connection, id: &str) -> Result<Vec<Attempt>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT number, token, started_at, ended_at, outcome, error FROM attempts \
+         WHERE job_id = ?1 ORDER BY number",
+    )?;
+    let rows = stmt.query_map([id], |r| {
+        let outcome: String = r.get(4)?;
+        Ok(Attempt {
+            number: r.get(0)?,
+            fencing_token: u64::try_from(r.get::<_, i64>(1)?).unwrap_or(0),
+            started_at: Millis(r.get(2)?),
+            ended_at: r.get::<_, Option<i64>>(3)?.map(Millis),
+            outcome: AttemptOutcome::parse(&outcome).unwrap_or(AttemptOutcome::Error),
+            error: r.get(5)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+fn require_job(conn: &Connection, id: &str, now: Millis) -> Result<Job, StoreError> {
+    load_job(conn, id, now)?.ok_or_else(|| StoreError::NotFound(id.to_owned()))
+}
+
+/// Checks that `lease` holds its job: the job is active under that token.
+fn check_lease(conn: &Connection, lease: &LeaseRef) -> Result<(), StoreError> {
+    let held: Option<i64> = conn
+        .prepare_cached("SELECT lease_token FROM jobs WHERE id = ?1 AND state = 'active'")?
+        .query_row([&lease.job_id], |r| r.get(0))
+        .optional()?
+        .flatten();
+    if held.and_then(|t| u64::try_from(t).ok()) == Some(lease.token) {
+        Ok(())
+    } else {
+        Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        })
+    }
+}
+
+/// Releases the job's dedup key if it still points at this job and is not
+/// held by `dedup_for` (compare-and-swap on the holder).
+fn release_dedup(conn: &Connection, job_id: &str, now: Millis) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "DELETE FROM dedup WHERE (queue, key) IN \
+           (SELECT queue, dedup_key FROM jobs WHERE id = ?1 AND dedup_key IS NOT NULL) \
+         AND job_id = ?1 AND (hold_until IS NULL OR hold_until <= ?2)",
+    )?
+    .execute(params![job_id, now.0])?;
+    Ok(())
+}
+
+fn enqueue_one(
+    w: &mut Writer,
+    job: NewJob,
+    index: usize,
+    now: Millis,
+) -> Result<Enqueued, StoreError> {
+    let conn = &w.conn;
+    if let Some(id) = &job.id
+        && let Some(existing) = load_job(conn, id, now)?
+    {
+        if existing.payload == job.payload && existing.queue == job.queue {
+            return Ok(Enqueued {
+                job: existing,
+                deduplicated: true,
+            });
+        }
+        return Err(StoreError::IdReused {
+            id: id.clone(),
+            index,
+        });
+    }
+    if let Some(key) = &job.dedup_key {
+        let holder: Option<(String, Option<i64>)> = conn
+            .prepare_cached("SELECT job_id, hold_until FROM dedup WHERE queue = ?1 AND key = ?2")?
+            .query_row(params![job.queue, key], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        if let Some((holder_id, hold_until)) = holder
+            && let Some(holder) = load_job(conn, &holder_id, now)?
+            && (holder.state.is_live() || hold_until.is_some_and(|h| h > now.0))
+        {
+            return Ok(Enqueued {
+                job: holder,
+                deduplicated: true,
+            });
+        }
+    }
+    let id = job
+        .id
+        .clone()
+        .unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+    let seq = w.next_seq;
+    w.next_seq += 1;
+    conn.prepare_cached(
+        "INSERT INTO jobs (id, queue, state, payload, priority, run_at, seq, max_attempts, dedup_key, enqueued_at) \
+         VALUES (?1, ?2, 'waiting', ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    )?
+    .execute(params![
+        id,
+        job.queue,
+        job.payload,
+        job.priority,
+        job.run_at.0,
+        seq,
+        job.max_attempts,
+        job.dedup_key,
+        now.0
+    ])?;
+    if let Some(key) = &job.dedup_key {
+        let hold_until = job.dedup_for.map(|d| now.plus(d).0);
+        conn.prepare_cached(
+            "INSERT OR REPLACE INTO dedup (queue, key, job_id, hold_until) VALUES (?1, ?2, ?3, ?4)",
+        )?
+        .execute(params![job.queue, key, id, hold_until])?;
+    }
+    Ok(Enqueued {
+        job: require_job(conn, &id, now)?,
+        deduplicated: false,
+    })
+}
+
+fn lease_batch(
+    w: &mut Writer,
+    queue: &str,
+    max: u32,
+    now: Millis,
+) -> Result<Vec<Lease>, StoreError> {
+    let picked: Vec<(String, String, u32, u32, i64)> = w
+        .conn
+        .prepare_cached(
+            "SELECT id, payload, attempt, max_attempts, enqueued_at FROM jobs INDEXED BY jobs_ready \
+             WHERE queue = ?1 AND state = 'waiting' AND run_at <= ?2 \
+             ORDER BY priority DESC, run_at, seq LIMIT ?3",
+        )?
+        .query_map(params![queue, now.0, max], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    let mut leases = Vec::with_capacity(picked.len());
+    for (id, payload, attempt, max_attempts, enqueued_at) in picked {
+        let token = w.next_token;
+        w.next_token += 1;
+        let number = attempt + 1;
+        let t = i64::try_from(token).unwrap_or(i64::MAX);
+        w.conn
+            .prepare_cached(
+                "UPDATE jobs SET state = 'active', attempt = ?2, budget_used = budget_used + 1, \
+                 lease_token = ?3 WHERE id = ?1",
+            )?
+            .execute(params![id, number, t])?;
+        w.conn
+            .prepare_cached(
+                "INSERT INTO attempts (job_id, number, token, started_at, outcome) \
+                 VALUES (?1, ?2, ?3, ?4, 'running')",
+            )?
+            .execute(params![id, number, t, now.0])?;
+        leases.push(Lease {
+            job_id: id,
+            queue: queue.to_owned(),
+            payload,
+            attempt: number,
+            max_attempts,
+            enqueued_at: Millis(enqueued_at),
+            token,
+        });
+    }
+    Ok(leases)
+}
+
+fn close_attempt(
+    conn: &Connection,
+    lease: &LeaseRef,
+    outcome: AttemptOutcome,
+    error: Option<&str>,
+    now: Millis,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "UPDATE attempts SET ended_at = ?3, outcome = ?4, error = ?5 \
+         WHERE job_id = ?1 AND token = ?2 AND ended_at IS NULL",
+    )?
+    .execute(params![
+        lease.job_id,
+        i64::try_from(lease.token).unwrap_or(i64::MAX),
+        now.0,
+        outcome.as_str(),
+        error
+    ])?;
+    Ok(())
+}
+
+/// Moves a job to a final state (completed, dead, cancelled).
+fn end_job(
+    conn: &Connection,
+    id: &str,
+    state: JobState,
+    result: Option<&str>,
+    error: Option<&str>,
+    now: Millis,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "UPDATE jobs SET state = ?2, finished_at = ?3, result = COALESCE(?4, result), \
+         last_error = COALESCE(?5, last_error), lease_token = NULL WHERE id = ?1",
+    )?
+    .execute(params![id, state.as_str(), now.0, result, error])?;
+    release_dedup(conn, id, now)
+}
+
+fn finish_step(
+    w: &mut Writer,
+    lease: &LeaseRef,
+    finish: Finish,
+    now: Millis,
+) -> Result<JobState, StoreError> {
+    let conn = &w.conn;
+    let job = require_job(conn, &lease.job_id, now)?;
+    let holds = check_lease(conn, lease).is_ok();
+    let (outcome, error) = match &finish {
+        Finish::Completed { .. } => (AttemptOutcome::Completed, None),
+        Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
+            (*outcome, Some(error.as_str()))
+        }
+        Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
+    };
+    if !holds {
+        // Cancelled (or recovered) meanwhile: record how the attempt ended,
+        // leave the job alone.
+        let outcome = if job.state == JobState::Cancelled {
+            AttemptOutcome::Cancelled
+        } else {
+            outcome
+        };
+        close_attempt(conn, lease, outcome, error, now)?;
+        return Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        });
+    }
+    close_attempt(conn, lease, outcome, error, now)?;
+    let next = match finish {
+        Finish::Completed { result } => {
+            end_job(conn, &job.id, JobState::Completed, Some(&result), None, now)?;
+            JobState::Completed
+        }
+        Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => {
+            conn.prepare_cached(
+                "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = ?3, lease_token = NULL \
+                 WHERE id = ?1",
+            )?
+            .execute(params![job.id, run_at.0, error])?;
+            visible_state(JobState::Waiting, run_at, now)
+        }
+        Finish::Retry { error, .. } => {
+            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
+            end_job(conn, &job.id, JobState::Dead, None, Some(&error), now)?;
+            JobState::Dead
+        }
+        Finish::Fail { error, .. } => {
+            end_job(conn, &job.id, JobState::Dead, None, Some(&error), now)?;
+            JobState::Dead
+        }
+        Finish::Interrupted { error } => {
+            conn.prepare_cached(
+                "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = ?3, lease_token = NULL, \
+                 budget_used = MAX(budget_used - 1, 0) WHERE id = ?1",
+            )?
+            .execute(params![job.id, now.0, error])?;
+            JobState::Waiting
+        }
+    };
+    Ok(next)
+}
+
+fn recover_step(w: &mut Writer, now: Millis) -> Result<u64, StoreError> {
+    let conn = &w.conn;
+    let active: Vec<(String, i64, u32, u32)> = conn
+        .prepare(
+            "SELECT id, lease_token, budget_used, max_attempts FROM jobs WHERE state = 'active'",
+        )?
+        .query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get::<_, Option<i64>>(1)?.unwrap_or(0),
+                r.get(2)?,
+                r.get(3)?,
+            ))
+        })?
+        .collect::<Result<_, _>>()?;
+    let error = "abandoned: the daemon stopped during this attempt";
+    for (id, token, used, max) in &active {
+        let lease = LeaseRef {
+            job_id: id.clone(),
+            token: u64::try_from(*token).unwrap_or(0),
+        };
+        close_attempt(conn, &lease, AttemptOutcome::Abandoned, Some(error), now)?;
+        if used < max {
+            conn.execute(
+                "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = ?3, lease_token = NULL \
+                 WHERE id = ?1",
+                params![id, now.0, error],
+            )?;
+        } else {
+            let error = format!("{error} (attempt budget of {max} used up)");
+            end_job(conn, id, JobState::Dead, None, Some(&error), now)?;
+        }
+    }
+    // Attempts left open without an active job (should not happen) are closed too.
+    conn.execute(
+        "UPDATE attempts SET ended_at = ?1, outcome = 'abandoned', error = ?2 WHERE ended_at IS NULL",
+        params![now.0, error],
+    )?;
+    Ok(active.len() as u64)
+}
+
+fn cancel_step(w: &mut Writer, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
+    let conn = &w.conn;
+    let job = require_job(conn, id, now)?;
+    if !job.state.is_live() {
+        return Err(StoreError::InvalidState {
+            id: id.to_owned(),
+            state: job.state,
+            wanted: "only a waiting, delayed or active job can be cancelled",
+        });
+    }
+    let was_active = job.state == JobState::Active;
+    end_job(conn, id, JobState::Cancelled, None, None, now)?;
+    Ok((require_job(conn, id, now)?, was_active))
+}
+
+fn retry_step(w: &mut Writer, id: &str, now: Millis) -> Result<Job, StoreError> {
+    let conn = &w.conn;
+    let job = require_job(conn, id, now)?;
+    if !matches!(job.state, JobState::Dead | JobState::Cancelled) {
+        return Err(StoreError::InvalidState {
+            id: id.to_owned(),
+            state: job.state,
+            wanted: "only a dead or cancelled job can be retried",
+        });
+    }
+    conn.execute(
+        "UPDATE jobs SET state = 'waiting', run_at = ?2, budget_used = 0, finished_at = NULL \
+         WHERE id = ?1",
+        params![id, now.0],
+    )?;
+    // Take the dedup key back if no other job holds it.
+    if let Some(key) = &job.dedup_key {
+        conn.execute(
+            "INSERT OR IGNORE INTO dedup (queue, key, job_id, hold_until) VALUES (?1, ?2, ?3, NULL)",
+            params![job.queue, key, id],
+        )?;
+    }
+    require_job(conn, id, now)
+}
+
+fn sweep_step(
+    w: &mut Writer,
+    now: Millis,
+    jobs: Duration,
+    fences: Duration,
+    limit: u32,
+) -> Result<Swept, StoreError> {
+    let conn = &w.conn;
+    let cutoff = now.minus(jobs).0;
+    let ids: Vec<String> = conn
+        .prepare_cached(
+            "SELECT id FROM jobs INDEXED BY jobs_finished \
+             WHERE state IN ('completed', 'cancelled') AND finished_at < ?1 LIMIT ?2",
+        )?
+        .query_map(params![cutoff, limit], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    for id in &ids {
+        release_dedup(conn, id, now)?;
+        conn.prepare_cached("DELETE FROM attempts WHERE job_id = ?1")?
+            .execute([id])?;
+        conn.prepare_cached("DELETE FROM effects WHERE job_id = ?1")?
+            .execute([id])?;
+        conn.prepare_cached("DELETE FROM jobs WHERE id = ?1")?
+            .execute([id])?;
+    }
+    let fences_removed = conn
+        .prepare_cached(
+            "DELETE FROM fences WHERE (namespace, kind, key) IN \
+             (SELECT namespace, kind, key FROM fences WHERE state = 'done' AND updated_at < ?1 LIMIT ?2)",
+        )?
+        .execute(params![now.minus(fences).0, limit])?;
+    // A dedup row whose hold expired and whose job is no longer live.
+    let dedup_removed = conn
+        .prepare_cached(
+            "DELETE FROM dedup WHERE (queue, key) IN (SELECT d.queue, d.key FROM dedup d \
+               LEFT JOIN jobs j ON j.id = d.job_id \
+               WHERE (d.hold_until IS NULL OR d.hold_until <= ?1) \
+                 AND (j.id IS NULL OR j.state NOT IN ('waiting', 'active')) LIMIT ?2)",
+        )?
+        .execute(params![now.0, limit])?;
+    Ok(Swept {
+        jobs: ids.len() as u64,
+        fences: fences_removed as u64,
+        dedup_keys: dedup_removed as u64,
+    })
+}
+
+fn kv_get_step(conn: &Connection, ns: &str, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT value FROM kv WHERE namespace = ?1 AND key = ?2")?
+        .query_row(params![ns, key], |r| r.get(0))
+        .optional()?)
+}
+
+fn index_read(
+    conn: &Connection,
+    collection: &str,
+    id: &str,
+) -> Result<Option<(Option<String>, u64)>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT document, version FROM index_docs WHERE collection = ?1 AND id = ?2",
+        )?
+        .query_row(params![collection, id], |r| {
+            Ok((r.get(0)?, u64::try_from(r.get::<_, i64>(1)?).unwrap_or(0)))
+        })
+        .optional()?)
+}
+
+fn version_param(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
+        self.write(true, move |w| {
+            jobs.into_iter()
+                .enumerate()
+                .map(|(i, j)| enqueue_one(w, j, i, now))
+                .collect()
+        })
+        .await
+    }
+
+    async fn lease(&self, queue: &str, max: u32, now: Millis) -> Result<Vec<Lease>, StoreError> {
+        let queue = queue.to_owned();
+        self.write(false, move |w| lease_batch(w, &queue, max, now))
+            .await
+    }
+
+    async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
+        let queue = queue.to_owned();
+        self.read(move |c| {
+            let v: Option<i64> = c
+                .prepare_cached(
+                    "SELECT MIN(run_at) FROM jobs INDEXED BY jobs_due WHERE queue = ?1 AND state = 'waiting'",
+                )?
+                .query_row([queue], |r| r.get(0))?;
+            Ok(v.map(Millis))
+        })
+        .await
+    }
+
+    async fn finish(
+        &self,
+        lease: &LeaseRef,
+        finish: Finish,
+        now: Millis,
+    ) -> Result<JobState, StoreError> {
+        let lease = lease.clone();
+        // A fenced finish still records how its attempt ended: commit that
+        // part, then report the fence.
+        self.write(true, move |w| match finish_step(w, &lease, finish, now) {
+            fenced @ Err(StoreError::Fenced { .. }) => Ok(fenced),
+            other => other.map(Ok),
+        })
+        .await?
+    }
+
+    async fn recover(&self, now: Millis) -> Result<u64, StoreError> {
+        self.write(true, move |w| recover_step(w, now)).await
+    }
+
+    async fn cancel(&self, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
+        let id = id.to_owned();
+        self.write(true, move |w| cancel_step(w, &id, now)).await
+    }
+
+    async fn retry(&self, id: &str, now: Millis) -> Result<Job, StoreError> {
+        let id = id.to_owned();
+        self.write(true, move |w| retry_step(w, &id, now)).await
+    }
+
+    async fn job(&self, id: &str, now: Millis) -> Result<Option<Job>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |c| {
+            let Some(mut job) = load_job(c, &id, now)? else {
+                return Ok(None);
+            };
+            job.attempts = load_attempts(c, &id)?;
+            Ok(Some(job))
+        })
+        .await
+    }
+
+    async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
+        self.read(move |c| {
+            let limit = filter.limit.clamp(1, 1000);
+            let cursor: i64 = match &filter.cursor {
+                Some(s) => s
+                    .parse()
+                    .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
+                None => i64::MAX,
+            };
+            let mut sql = format!("SELECT {JOB_COLUMNS}, seq FROM jobs WHERE seq < ?1");
+            let mut args: Vec<rusqlite::types::Value> = vec![cursor.into()];
+            if let Some(q) = &filter.queue {
+                args.push(q.clone().into());
+                sql.push_str(&format!(" AND queue = ?{}", args.len()));
+            }
+            match filter.state {
+                Some(JobState::Delayed) => {
+                    args.push(now.0.into());
+                    sql.push_str(&format!(
+                        " AND state = 'waiting' AND run_at > ?{}",
+                        args.len()
+                    ));
+                }
+                Some(JobState::Waiting) => {
+                    args.push(now.0.into());
+                    sql.push_str(&format!(
+                        " AND state = 'waiting' AND run_at <= ?{}",
+                        args.len()
+                    ));
+                }
+                Some(s) => {
+                    args.push(s.as_str().to_owned().into());
+                    sql.push_str(&format!(" AND state = ?{}", args.len()));
+                }
+                None => {}
+            }
+            args.push(i64::from(limit).into());
+            sql.push_str(&format!(" ORDER BY seq DESC LIMIT ?{}", args.len()));
+            let mut stmt = c.prepare_cached(&sql)?;
+            let mut last_seq = None;
+            let jobs: Vec<Job> = stmt
+                .query_map(rusqlite::params_from_iter(args), |r| {
+                    let seq: i64 = r.get(14)?;
+                    Ok((job_from_row(r, now)?, seq))
+                })?
+                .map(|r| {
+                    r.map(|(j, s)| {
+                        last_seq = Some(s);
+                        j
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            let next_cursor = if jobs.len() == limit as usize {
+                last_seq.map(|s| s.to_string())
+            } else {
+                None
+            };
+            Ok(JobPage { jobs, next_cursor })
+        })
+        .await
+    }
+
+    async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError> {
+        self.read(move |c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT queue, CASE WHEN state = 'waiting' AND run_at > ?1 THEN 'delayed' ELSE state END AS s, \
+                 COUNT(*) FROM jobs GROUP BY queue, s ORDER BY queue",
+            )?;
+            let mut out: Vec<(String, StateCounts)> = Vec::new();
+            let rows = stmt.query_map([now.0], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+            })?;
+            for row in rows {
+                let (queue, state, n) = row?;
+                if out.last().is_none_or(|(q, _)| *q != queue) {
+                    out.push((queue, StateCounts::default()));
+                }
+                if let Some((_, counts)) = out.last_mut() {
+                    counts.add(stored_state(&state), u64::try_from(n).unwrap_or(0));
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn sweep(
+        &self,
+        now: Millis,
+        jobs: Duration,
+        fences: Duration,
+        limit: u32,
+    ) -> Result<Swept, StoreError> {
+        self.write(true, move |w| sweep_step(w, now, jobs, fences, limit))
+            .await
+    }
+
+    async fn kv_get(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            kv_get_step(&w.conn, &ns, &key)
+        })
+        .await
+    }
+
+    async fn kv_put(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<(), StoreError> {
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            w.conn
+                .prepare_cached(
+                    "INSERT OR REPLACE INTO kv (namespace, key, value) VALUES (?1, ?2, ?3)",
+                )?
+                .execute(params![ns, key, value])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn kv_insert_if_absent(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<bool, StoreError> {
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            let n = w
+                .conn
+                .prepare_cached(
+                    "INSERT OR IGNORE INTO kv (namespace, key, value) VALUES (?1, ?2, ?3)",
+                )?
+                .execute(params![ns, key, value])?;
+            Ok(n == 1)
+        })
+        .await
+    }
+
+    async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError> {
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            let n = w
+                .conn
+                .prepare_cached("DELETE FROM kv WHERE namespace = ?1 AND key = ?2")?
+                .execute(params![ns, key])?;
+            Ok(n == 1)
+        })
+        .await
+    }
+
+    async fn index_upsert(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        document: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<UpsertOutcome, StoreError> {
+        let (lease, collection, id, document) = (
+            lease.clone(),
+            collection.to_owned(),
+            id.to_owned(),
+            document.to_owned(),
+        );
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            let current = index_read(&w.conn, &collection, &id)?;
+            let outcome = match current {
+                Some((_, v)) if v > version => return Ok(UpsertOutcome::Stale),
+                Some((Some(_), v)) if v == version => return Ok(UpsertOutcome::Unchanged),
+                Some((None, v)) if v == version => return Ok(UpsertOutcome::Stale),
+                Some((Some(_), _)) => UpsertOutcome::Updated,
+                Some((None, _)) | None => UpsertOutcome::Inserted,
+            };
+            w.conn
+                .prepare_cached(
+                    "INSERT OR REPLACE INTO index_docs (collection, id, version, document, updated_at) \
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                )?
+                .execute(params![collection, id, version_param(version), document, now.0])?;
+            Ok(outcome)
+        })
+        .await
+    }
+
+    async fn index_remove(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            let current = index_read(&w.conn, &collection, &id)?;
+            let removed = match current {
+                Some((_, v)) if v > version => return Ok(false),
+                Some((doc, _)) => doc.is_some(),
+                None => false,
+            };
+            w.conn
+                .prepare_cached(
+                    "INSERT OR REPLACE INTO index_docs (collection, id, version, document, updated_at) \
+                     VALUES (?1, ?2, ?3, NULL, ?4)",
+                )?
+                .execute(params![collection, id, version_param(version), now.0])?;
+            Ok(removed)
+        })
+        .await
+    }
+
+    async fn index_get_leased(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+        self.write(false, move |w| {
+            check_lease(&w.conn, &lease)?;
+            Ok(index_read(&w.conn, &collection, &id)?.and_then(|(d, _)| d))
+        })
+        .await
+    }
+
+    async fn index_get(
+        &self,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<(String, u64)>, StoreError> {
+        let (collection, id) = (collection.to_owned(), id.to_owned());
+        self.read(
+            move |c| Ok(index_read(c, &collection, &id)?.and_then(|(d, v)| d.map(|d| (d, v)))),
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::SqliteStore;
+    use crate::store::Store;
+
+    crate::conformance_tests!(|| async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(dir.path()).expect("open"));
+        (dir, store)
+    });
+
+    #[test]
+    fn a_second_daemon_is_kept_off_the_ledger() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let _first = SqliteStore::open(dir.path()).expect("open");
+        let second = SqliteStore::open(dir.path());
+        assert!(
+            second
+                .unwrap_err()
+                .to_string()
+                .contains("another khata daemon")
+        );
+    }
+}

@@ -1,0 +1,294 @@
+//! Runs the real `khata` binary on a real ledger in a temporary directory.
+//!
+//! Each test makes a [`Daemon`] from a jobs.toml fragment; the daemon gets a
+//! free loopback port, its own data directory and the guest plugins built by
+//! `scripts/build-plugins`. `kill9` and `start` let a test crash and restart it
+//! on the same data.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+pub const KHATA: &str = env!("CARGO_BIN_EXE_khata");
+
+/// Where `scripts/build-plugins` leaves the guests.
+pub fn guest(name: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root");
+    let path = root
+        .join("target/wasm32-wasip2/release")
+        .join(format!("{name}.wasm"));
+    assert!(
+        path.exists(),
+        "{} is missing: build the guests first with scripts/build-plugins",
+        path.display()
+    );
+    path
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub port: u16,
+    pub url: String,
+    pub token: Option<String>,
+    child: Option<Child>,
+    pub http: reqwest::Client,
+}
+
+impl Daemon {
+    /// Writes jobs.toml (`[daemon]` is added) and plugins, without starting.
+    pub fn prepare(queues_toml: &str, plugins: &[(&str, &str)]) -> Daemon {
+        Self::prepare_with(queues_toml, plugins, "")
+    }
+
+    /// Like `prepare`, with extra `[daemon]` lines.
+    pub fn prepare_with(queues_toml: &str, plugins: &[(&str, &str)], daemon_extra: &str) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        std::fs::create_dir_all(dir.path().join("plugins")).expect("plugins dir");
+        for (file, guest_name) in plugins {
+            std::fs::copy(
+                guest(guest_name),
+                dir.path().join("plugins").join(format!("{file}.wasm")),
+            )
+            .expect("copy plugin");
+        }
+        let config = format!(
+            "[daemon]\ndata_dir = \"data\"\nplugins_dir = \"plugins\"\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n{daemon_extra}\n{queues_toml}\n"
+        );
+        std::fs::write(dir.path().join("jobs.toml"), config).expect("write jobs.toml");
+        let token = daemon_extra
+            .lines()
+            .find_map(|l| l.strip_prefix("token = \""))
+            .map(|t| t.trim_end_matches('"').to_owned());
+        Daemon {
+            dir,
+            port,
+            url: format!("http://127.0.0.1:{port}"),
+            token,
+            child: None,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Prepares and starts a daemon, waiting until it answers.
+    pub async fn start_new(queues_toml: &str, plugins: &[(&str, &str)]) -> Daemon {
+        let mut d = Self::prepare(queues_toml, plugins);
+        d.start().await;
+        d
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("jobs.toml")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("daemon.log")
+    }
+
+    /// Starts the daemon process and waits for `/healthz`.
+    pub async fn start(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("log file");
+        let child = Command::new(KHATA)
+            .args(["serve", "-c"])
+            .arg(self.config_path())
+            .env("KHATA_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn khata");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(r) = self.http.get(format!("{}/healthz", self.url)).send().await
+                && r.status().is_success()
+            {
+                return;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "khata exited with {status} during start; log:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "khata did not answer in 60 s; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// `kill -9` the daemon and reap it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let status = Command::new("kill")
+                .args(["-9", &c.id().to_string()])
+                .status()
+                .expect("kill");
+            assert!(status.success());
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let status = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        c.wait().expect("wait")
+    }
+
+    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.url));
+        match &self.token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
+    /// Sends a request; returns the status and the JSON body.
+    pub async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut r = self.req(method, path);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r.send().await.expect("request");
+        let status = resp.status().as_u16();
+        let text = resp.text().await.expect("body");
+        let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, v)
+    }
+
+    /// Sends raw bytes as the body.
+    pub async fn call_raw(&self, method: &str, path: &str, body: &str) -> (u16, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let resp = self
+            .req(method, path)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .await
+            .expect("request");
+        let status = resp.status().as_u16();
+        let text = resp.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    /// Enqueues and returns the job id (asserting 201).
+    pub async fn enqueue(&self, queue: &str, body: Value) -> String {
+        let (status, v) = self
+            .call("POST", &format!("/v1/queues/{queue}/jobs"), Some(body))
+            .await;
+        assert_eq!(status, 201, "enqueue answered {v}");
+        v["job"]["id"].as_str().expect("job id").to_owned()
+    }
+
+    pub async fn job(&self, id: &str) -> Value {
+        let (status, v) = self.call("GET", &format!("/v1/jobs/{id}"), None).await;
+        assert_eq!(status, 200, "GET job {id}: {v}");
+        v
+    }
+
+    /// Waits until the job is in `state` (or panics after `secs`).
+    pub async fn wait_state(&self, id: &str, state: &str, secs: u64) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let j = self.job(id).await;
+            if j["state"] == state {
+                return j;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {id} not {state} after {secs} s: {j}\nlog:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Runs a CLI command against this daemon.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        let mut cmd = Command::new(KHATA);
+        cmd.args(args)
+            .env("KHATA_URL", &self.url)
+            .env_remove("KHATA_TOKEN");
+        if let Some(t) = &self.token {
+            cmd.env("KHATA_TOKEN", t);
+        }
+        cmd.output().expect("run khata")
+    }
+
+    /// The queue entry of GET /v1/queues.
+    pub async fn queue(&self, name: &str) -> Value {
+        let (_, v) = self.call("GET", "/v1/queues", None).await;
+        v["queues"]
+            .as_array()
+            .and_then(|qs| qs.iter().find(|q| q["name"] == name).cloned())
+            .unwrap_or_else(|| panic!("no queue {name} in {v}"))
+    }
+
+    /// Waits until the queue's plugin is loaded.
+    pub async fn wait_plugin(&self, queue: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.queue(queue).await["version"].is_null() {
+            assert!(
+                Instant::now() < deadline,
+                "plugin of {queue} not loaded; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn payload(v: Value) -> Value {
+    json!({ "payload": v })
+}
