@@ -16,7 +16,7 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, AppState};
-use crate::config::{Config, Grants, Queue};
+use crate::config::{Backend, Config, Grants, Queue};
 use crate::host::{Capability, Host, Plugin, PoolSize};
 use crate::job::Millis;
 use crate::queue::{Queues, Stop, SystemClock};
@@ -51,6 +51,10 @@ pub fn check(config_path: &Path) -> anyhow::Result<bool> {
     };
     let host = Host::new(&pool_size(&config))?;
     let mut ok = true;
+    if let Err(e) = check_supported(&config) {
+        eprintln!("{e}");
+        ok = false;
+    }
     for q in config.queues.values() {
         let path = plugin_path(&config, q);
         let result = host
@@ -138,7 +142,21 @@ fn granted(g: &Grants, c: Capability) -> bool {
     }
 }
 
+/// Refuses a configuration this build cannot serve as written, rather than
+/// silently serving something else.
+fn check_supported(config: &Config) -> Result<(), String> {
+    if config.store.backend != Backend::Sqlite {
+        return Err(format!(
+            "{}: store.backend = {:?} is not available in this build of khata; use \"sqlite\"",
+            config.path.display(),
+            config.store.backend.as_str()
+        ));
+    }
+    Ok(())
+}
+
 async fn run(config: Config) -> anyhow::Result<()> {
+    check_supported(&config).map_err(|e| anyhow::anyhow!(e))?;
     let data_dir = &config.daemon.data_dir;
     let store: Arc<dyn Store> = Arc::new(
         SqliteStore::open(data_dir)

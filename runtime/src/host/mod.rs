@@ -17,6 +17,7 @@
 //! effect errors go back to the guest as WIT values, limits end the attempt.
 
 mod bindings;
+mod stdio;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -30,11 +31,11 @@ use wasmtime::{
     Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, StoreLimits,
     StoreLimitsBuilder, Trap,
 };
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 pub use bindings::Capability;
 use bindings::{Handler, HandlerPre};
+use stdio::Capture;
 
 use crate::effects::Effects;
 use crate::job::Millis;
@@ -268,8 +269,8 @@ impl Host {
         effects: Effects,
         limits: &Limits,
     ) -> RunOutcome {
-        let stdout = MemoryOutputPipe::new(STDIO_CAPTURE);
-        let stderr = MemoryOutputPipe::new(STDIO_CAPTURE);
+        let stdout = Capture::new(STDIO_CAPTURE);
+        let stderr = Capture::new(STDIO_CAPTURE);
         let wasi = WasiCtx::builder()
             .stdout(stdout.clone())
             .stderr(stderr.clone())
@@ -333,23 +334,11 @@ impl Host {
             }
             Ok(Ok(Err(bindings::JobError::Retry(reason)))) => RunOutcome::Retry(reason),
             Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(reason),
-            Ok(Err(trap)) => classify_trap(&trap, limits, &stderr.contents()),
+            Ok(Err(trap)) => classify_trap(&trap, limits, &stderr.contents().0),
         };
         drop(store);
-        log_stdio(
-            &job.id,
-            job.attempt,
-            &plugin.name,
-            "stdout",
-            &stdout.contents(),
-        );
-        log_stdio(
-            &job.id,
-            job.attempt,
-            &plugin.name,
-            "stderr",
-            &stderr.contents(),
-        );
+        log_stdio(&job.id, job.attempt, &plugin.name, "stdout", &stdout);
+        log_stdio(&job.id, job.attempt, &plugin.name, "stderr", &stderr);
         outcome
     }
 }
@@ -398,11 +387,19 @@ fn classify_trap(err: &wasmtime::Error, limits: &Limits, stderr: &[u8]) -> RunOu
     }
 }
 
-fn log_stdio(job_id: &str, attempt: u32, plugin: &str, stream: &str, bytes: &[u8]) {
-    if bytes.is_empty() {
-        return;
-    }
-    for line in String::from_utf8_lossy(bytes).lines() {
+fn log_stdio(job_id: &str, attempt: u32, plugin: &str, stream: &str, capture: &Capture) {
+    let (bytes, dropped) = capture.contents();
+    for line in String::from_utf8_lossy(&bytes).lines() {
         tracing::info!(job = job_id, attempt, plugin, stream, "{line}");
+    }
+    if dropped > 0 {
+        tracing::warn!(
+            job = job_id,
+            attempt,
+            plugin,
+            stream,
+            dropped,
+            "guest output truncated past {STDIO_CAPTURE} bytes"
+        );
     }
 }
