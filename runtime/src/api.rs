@@ -82,6 +82,9 @@ impl From<StoreError> for ApiError {
             StoreError::InvalidState { .. } => {
                 ApiError::new(StatusCode::CONFLICT, "invalid_state", e.to_string())
             }
+            StoreError::InvalidFence { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "invalid_fence", e.to_string())
+            }
             StoreError::Fenced { .. } => {
                 ApiError::new(StatusCode::CONFLICT, "fenced", e.to_string())
             }

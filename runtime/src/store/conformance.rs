@@ -10,7 +10,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{JobFilter, Store, StoreError, UpsertOutcome};
+use super::{
+    EffectRecord, FenceBegin, FenceId, FenceState, JobFilter, Resolution, Store, StoreError,
+    UpsertOutcome,
+};
 use crate::job::{AttemptOutcome, Finish, JobState, LeaseRef, Millis, NewJob};
 
 /// Generates one `#[tokio::test]` per conformance check. `$open` is an
@@ -25,7 +28,8 @@ macro_rules! conformance_tests {
             delayed_jobs_wait, tokens_grow_and_leases_are_exclusive, finish_outcomes,
             budget_and_dead, interrupted_is_not_counted, cancel_and_retry, recover_abandoned,
             kv_semantics_and_fencing, index_versions, sweep_retention, counts_and_pages,
-            concurrent_enqueue_one_id);
+            concurrent_enqueue_one_id, fence_table, fence_of_a_dead_attempt,
+            uncertain_fences_and_resolution, effects_are_recorded_per_attempt);
     };
     (@each $open:expr; $($name:ident),*) => {
         $(
@@ -728,4 +732,239 @@ pub async fn concurrent_enqueue_one_id(s: Arc<dyn Store>) {
         created += usize::from(!t.await.unwrap().1);
     }
     assert_eq!(created, 1);
+}
+
+fn fence_id(key: &str) -> FenceId {
+    FenceId {
+        namespace: "ns".into(),
+        kind: "http".into(),
+        key: key.into(),
+    }
+}
+
+pub async fn fence_table(s: Arc<dyn Store>) {
+    s.enqueue(
+        vec![
+            with_id(new_job("q", "1"), "a"),
+            with_id(new_job("q", "2"), "b"),
+        ],
+        T0,
+    )
+    .await
+    .unwrap();
+    let la = lease1(&*s, "q", T0).await;
+    let lb = lease1(&*s, "q", T0).await;
+    let id = fence_id("charge-1");
+    // absent → started
+    let begun = s
+        .fence_begin(&la.fence(), 1, &id, b"fp1", T0)
+        .await
+        .unwrap();
+    assert_eq!(begun, FenceBegin::Started);
+    // started by a live attempt → in progress, for anyone
+    let other = s
+        .fence_begin(&lb.fence(), 1, &id, b"fp1", T0)
+        .await
+        .unwrap();
+    assert_eq!(other, FenceBegin::InProgress { job_id: "a".into() });
+    // another request under the same key → key reused
+    assert_eq!(
+        s.fence_begin(&lb.fence(), 1, &id, b"fp2", T0)
+            .await
+            .unwrap(),
+        FenceBegin::KeyReused
+    );
+    // only the holder records the result
+    assert!(matches!(
+        s.fence_done(&lb.fence(), 1, &id, b"x".to_vec(), T0).await,
+        Err(StoreError::InvalidFence { .. })
+    ));
+    s.fence_done(&la.fence(), 1, &id, b"response".to_vec(), at(1))
+        .await
+        .unwrap();
+    // done, same request → replay; other request → key reused
+    assert_eq!(
+        s.fence_begin(&lb.fence(), 1, &id, b"fp1", at(2))
+            .await
+            .unwrap(),
+        FenceBegin::Replay(b"response".to_vec())
+    );
+    assert_eq!(
+        s.fence_begin(&lb.fence(), 1, &id, b"fp2", at(2))
+            .await
+            .unwrap(),
+        FenceBegin::KeyReused
+    );
+    // a stale attempt cannot begin anything
+    let forged = LeaseRef {
+        job_id: "a".into(),
+        token: la.token + 100,
+    };
+    assert!(matches!(
+        s.fence_begin(&forged, 1, &fence_id("other"), b"fp", at(3))
+            .await,
+        Err(StoreError::Fenced { .. })
+    ));
+    // release: the effect did not happen; the next try starts afresh
+    let id2 = fence_id("charge-2");
+    assert_eq!(
+        s.fence_begin(&la.fence(), 1, &id2, b"fp", at(3))
+            .await
+            .unwrap(),
+        FenceBegin::Started
+    );
+    s.fence_release(&la.fence(), &id2).await.unwrap();
+    assert_eq!(
+        s.fence_begin(&lb.fence(), 1, &id2, b"fp", at(4))
+            .await
+            .unwrap(),
+        FenceBegin::Started
+    );
+}
+
+pub async fn fence_of_a_dead_attempt(s: Arc<dyn Store>) {
+    enqueue1(&*s, with_id(new_job("q", "1"), "a"), T0).await;
+    let first = lease1(&*s, "q", T0).await;
+    let id = fence_id("mail-1");
+    assert_eq!(
+        s.fence_begin(&first.fence(), 1, &id, b"fp", T0)
+            .await
+            .unwrap(),
+        FenceBegin::Started
+    );
+    // The daemon dies between started and done.
+    s.recover(at(10)).await.unwrap();
+    let second = lease1(&*s, "q", at(10)).await;
+    let FenceBegin::Abandoned(f) = s
+        .fence_begin(&second.fence(), 2, &id, b"fp", at(11))
+        .await
+        .unwrap()
+    else {
+        panic!("a fence started by a dead attempt is abandoned");
+    };
+    assert_eq!(
+        (f.state, f.job_id.as_str(), f.token),
+        (FenceState::Started, "a", first.token)
+    );
+    // The dead attempt cannot record anything any more once taken over.
+    s.fence_take_over(&second.fence(), 2, &id, at(12))
+        .await
+        .unwrap();
+    assert!(
+        s.fence_done(&first.fence(), 1, &id, b"late".to_vec(), at(12))
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        s.fence_begin(&second.fence(), 2, &id, b"fp", at(12))
+            .await
+            .unwrap(),
+        FenceBegin::InProgress { job_id: "a".into() }
+    );
+    s.fence_done(&second.fence(), 2, &id, b"sent".to_vec(), at(13))
+        .await
+        .unwrap();
+    let fences = s
+        .fences(Some("ns"), Some(FenceState::Done), 10)
+        .await
+        .unwrap();
+    assert_eq!(fences.len(), 1);
+    assert_eq!(
+        (fences[0].attempt, fences[0].result.as_deref()),
+        (2, Some(&b"sent"[..]))
+    );
+}
+
+pub async fn uncertain_fences_and_resolution(s: Arc<dyn Store>) {
+    enqueue1(&*s, with_id(new_job("q", "1"), "a"), T0).await;
+    let first = lease1(&*s, "q", T0).await;
+    let (done_id, not_done_id) = (fence_id("m-done"), fence_id("m-not-done"));
+    for id in [&done_id, &not_done_id] {
+        s.fence_begin(&first.fence(), 1, id, b"fp", T0)
+            .await
+            .unwrap();
+    }
+    // A live attempt's fence cannot be resolved by hand.
+    assert!(matches!(
+        s.fence_resolve(&done_id, Resolution::Done, at(1)).await,
+        Err(StoreError::InvalidFence { .. })
+    ));
+    s.recover(at(10)).await.unwrap();
+    let second = lease1(&*s, "q", at(10)).await;
+    for id in [&done_id, &not_done_id] {
+        assert!(matches!(
+            s.fence_begin(&second.fence(), 2, id, b"fp", at(11))
+                .await
+                .unwrap(),
+            FenceBegin::Abandoned(_)
+        ));
+        s.fence_uncertain(&second.fence(), 2, id, at(11))
+            .await
+            .unwrap();
+        assert!(matches!(
+            s.fence_begin(&second.fence(), 2, id, b"fp", at(12))
+                .await
+                .unwrap(),
+            FenceBegin::Uncertain(_)
+        ));
+    }
+    let uncertain = s
+        .fences(None, Some(FenceState::Uncertain), 10)
+        .await
+        .unwrap();
+    assert_eq!(uncertain.len(), 2);
+    s.fence_resolve(&done_id, Resolution::Done, at(20))
+        .await
+        .unwrap();
+    s.fence_resolve(&not_done_id, Resolution::NotDone, at(20))
+        .await
+        .unwrap();
+    assert!(matches!(
+        s.fence_begin(&second.fence(), 2, &done_id, b"fp", at(21))
+            .await
+            .unwrap(),
+        FenceBegin::Replay(_)
+    ));
+    assert_eq!(
+        s.fence_begin(&second.fence(), 2, &not_done_id, b"fp", at(21))
+            .await
+            .unwrap(),
+        FenceBegin::Started
+    );
+    assert!(matches!(
+        s.fence_resolve(&fence_id("nope"), Resolution::Done, at(22))
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(
+        matches!(
+            s.fence_resolve(&done_id, Resolution::NotDone, at(22)).await,
+            Err(StoreError::InvalidFence { .. })
+        ),
+        "a done fence is not resolved again"
+    );
+}
+
+pub async fn effects_are_recorded_per_attempt(s: Arc<dyn Store>) {
+    let (id, _) = enqueue1(&*s, new_job("q", "1"), T0).await;
+    let l = lease1(&*s, "q", T0).await;
+    for (kind, key, outcome) in [("http", "k1", "performed"), ("email", "k2", "replayed")] {
+        let record = EffectRecord {
+            attempt: 1,
+            kind: kind.into(),
+            key: key.into(),
+            outcome: outcome.into(),
+            at: T0,
+        };
+        s.record_effect(&id, record).await.unwrap();
+    }
+    complete(&*s, &l, at(1)).await;
+    let effects = s.effects(&id).await.unwrap();
+    assert_eq!(
+        effects
+            .iter()
+            .map(|e| (e.kind.as_str(), e.outcome.as_str()))
+            .collect::<Vec<_>>(),
+        [("http", "performed"), ("email", "replayed")]
+    );
 }

@@ -43,6 +43,14 @@ pub enum StoreError {
     /// The caller no longer holds the job's lease.
     #[error("attempt with fencing token {token} no longer holds job {job_id:?}")]
     Fenced { job_id: String, token: u64 },
+    /// The fence is not in a state the step applies to.
+    #[error("fence {namespace}/{kind}/{key}: {reason}")]
+    InvalidFence {
+        namespace: String,
+        kind: String,
+        key: String,
+        reason: String,
+    },
     /// The database failed or is gone; the step may be retried.
     #[error("storage unavailable: {0}")]
     Unavailable(String),
@@ -57,6 +65,102 @@ pub enum UpsertOutcome {
     Unchanged,
     /// Lower version than stored: ignored.
     Stale,
+}
+
+/// The name of one effect: (namespace, kind, key).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FenceId {
+    pub namespace: String,
+    /// `email` or `http` (the external effects).
+    pub kind: String,
+    pub key: String,
+}
+
+/// Where an effect's fence stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FenceState {
+    /// Written before the effect left the host; its outcome is not recorded yet.
+    Started,
+    /// The effect happened; its result is recorded.
+    Done,
+    /// The effect may or may not have happened, and nothing can tell: an
+    /// operator decides.
+    Uncertain,
+}
+
+impl FenceState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FenceState::Started => "started",
+            FenceState::Done => "done",
+            FenceState::Uncertain => "uncertain",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<FenceState> {
+        [FenceState::Started, FenceState::Done, FenceState::Uncertain]
+            .into_iter()
+            .find(|f| f.as_str() == s)
+    }
+}
+
+/// The durable record of one effect.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fence {
+    pub id: FenceId,
+    pub state: FenceState,
+    /// Hash of the effect's kind and canonical request.
+    pub fingerprint: Vec<u8>,
+    /// The attempt that wrote the fence last.
+    pub job_id: String,
+    pub attempt: u32,
+    pub token: u64,
+    /// The recorded result, once done.
+    pub result: Option<Vec<u8>>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+/// What `fence_begin` found (DESIGN 4's table), and did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FenceBegin {
+    /// No fence: `started` is written (durably) for the caller, who may now
+    /// perform the effect.
+    Started,
+    /// Done before with the same request: the recorded result, to replay.
+    Replay(Vec<u8>),
+    /// Done, uncertain or started before with another request.
+    KeyReused,
+    /// Started by an attempt that still holds its job.
+    InProgress { job_id: String },
+    /// Started by an attempt that died (crash, timeout, cancel): the outcome
+    /// is unknown. The caller resolves it by the provider's nature, then
+    /// calls `fence_take_over`, `fence_done`, `fence_release` or
+    /// `fence_uncertain`.
+    Abandoned(Fence),
+    /// Marked uncertain before; only an operator can resolve it.
+    Uncertain(Fence),
+}
+
+/// An operator's answer to an uncertain fence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    /// The effect happened: later attempts replay it.
+    Done,
+    /// It did not: the fence is released and the next attempt performs it.
+    NotDone,
+}
+
+/// One effect an attempt performed, replayed or was refused.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct EffectRecord {
+    pub attempt: u32,
+    pub kind: String,
+    pub key: String,
+    /// `performed`, `replayed`, `refused:<reason>`, `uncertain`, `reconciled`, ...
+    pub outcome: String,
+    pub at: Millis,
 }
 
 /// A page of jobs, newest first.
@@ -206,4 +310,71 @@ pub trait Store: Send + Sync + 'static {
         collection: &str,
         id: &str,
     ) -> Result<Option<(String, u64)>, StoreError>;
+
+    // Fences of external effects (DESIGN 4).
+
+    /// Checks `lease`, looks at the fence of `id` and acts on DESIGN 4's
+    /// table: absent → writes `started` for this attempt. **Durable**: the
+    /// effect leaves the host only after `started` is on disk, together with
+    /// every applied step before it.
+    async fn fence_begin(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        fingerprint: &[u8],
+        now: Millis,
+    ) -> Result<FenceBegin, StoreError>;
+    /// Checks `lease` and makes an abandoned `started` fence this attempt's,
+    /// to perform the effect again (idempotent provider, or policy `repeat`).
+    /// **Durable.**
+    async fn fence_take_over(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError>;
+    /// Records the effect's result: `done`. No lease check — the effect
+    /// happened — but the fence must still be this attempt's. **Durable.**
+    async fn fence_done(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        result: Vec<u8>,
+        now: Millis,
+    ) -> Result<(), StoreError>;
+    /// Deletes this attempt's fence: the effect certainly did not happen and
+    /// may be performed by a later attempt. **Durable.**
+    async fn fence_release(&self, lease: &LeaseRef, id: &FenceId) -> Result<(), StoreError>;
+    /// Marks a fence of this attempt, or one abandoned by a dead attempt,
+    /// `uncertain` for an operator. **Durable.**
+    async fn fence_uncertain(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError>;
+    /// An operator resolves an uncertain fence (or one started by a dead
+    /// attempt). `NotFound` when there is no such fence, `InvalidFence` when
+    /// it is done or held by a live attempt. **Durable.**
+    async fn fence_resolve(
+        &self,
+        id: &FenceId,
+        resolution: Resolution,
+        now: Millis,
+    ) -> Result<(), StoreError>;
+    /// Fences for operators, most recently changed first. Committed state.
+    async fn fences(
+        &self,
+        namespace: Option<&str>,
+        state: Option<FenceState>,
+        limit: u32,
+    ) -> Result<Vec<Fence>, StoreError>;
+    /// Records an effect on its attempt. **Applied.**
+    async fn record_effect(&self, job_id: &str, record: EffectRecord) -> Result<(), StoreError>;
+    /// The effects recorded for a job, in order. Committed state.
+    async fn effects(&self, job_id: &str) -> Result<Vec<EffectRecord>, StoreError>;
 }

@@ -22,7 +22,10 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{JobFilter, JobPage, Store, StoreError, Swept, UpsertOutcome};
+use super::{
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, Resolution, Store,
+    StoreError, Swept, UpsertOutcome,
+};
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
     StateCounts,
@@ -883,6 +886,194 @@ fn version_param(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+const FENCE_COLUMNS: &str = "namespace, kind, key, state, fingerprint, job_id, attempt, token, result, created_at, updated_at";
+
+fn fence_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Fence> {
+    let state: String = r.get(3)?;
+    Ok(Fence {
+        id: FenceId {
+            namespace: r.get(0)?,
+            kind: r.get(1)?,
+            key: r.get(2)?,
+        },
+        state: FenceState::parse(&state).unwrap_or(FenceState::Uncertain),
+        fingerprint: r.get(4)?,
+        job_id: r.get(5)?,
+        attempt: r.get(6)?,
+        token: u64::try_from(r.get::<_, i64>(7)?).unwrap_or(0),
+        result: r.get(8)?,
+        created_at: Millis(r.get(9)?),
+        updated_at: Millis(r.get(10)?),
+    })
+}
+
+fn load_fence(conn: &Connection, id: &FenceId) -> Result<Option<Fence>, StoreError> {
+    let sql = format!(
+        "SELECT {FENCE_COLUMNS} FROM fences WHERE namespace = ?1 AND kind = ?2 AND key = ?3"
+    );
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row(params![id.namespace, id.kind, id.key], fence_from_row)
+        .optional()?)
+}
+
+/// Whether the attempt that wrote `f` still holds its job.
+fn holder_alive(conn: &Connection, f: &Fence) -> Result<bool, StoreError> {
+    let holder = LeaseRef {
+        job_id: f.job_id.clone(),
+        token: f.token,
+    };
+    match check_lease(conn, &holder) {
+        Ok(()) => Ok(true),
+        Err(StoreError::Fenced { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> StoreError {
+    StoreError::InvalidFence {
+        namespace: id.namespace.clone(),
+        kind: id.kind.clone(),
+        key: id.key.clone(),
+        reason: reason.into(),
+    }
+}
+
+fn token_param(t: u64) -> i64 {
+    i64::try_from(t).unwrap_or(i64::MAX)
+}
+
+fn fence_begin_step(
+    conn: &Connection,
+    lease: &LeaseRef,
+    attempt: u32,
+    id: &FenceId,
+    fingerprint: &[u8],
+    now: Millis,
+) -> Result<FenceBegin, StoreError> {
+    check_lease(conn, lease)?;
+    let Some(f) = load_fence(conn, id)? else {
+        conn.prepare_cached(
+            "INSERT INTO fences (namespace, kind, key, state, fingerprint, job_id, attempt, token, created_at, updated_at) \
+             VALUES (?1, ?2, ?3, 'started', ?4, ?5, ?6, ?7, ?8, ?8)",
+        )?
+        .execute(params![id.namespace, id.kind, id.key, fingerprint, lease.job_id, attempt, token_param(lease.token), now.0])?;
+        return Ok(FenceBegin::Started);
+    };
+    if f.fingerprint != fingerprint {
+        return Ok(FenceBegin::KeyReused);
+    }
+    Ok(match f.state {
+        FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
+        FenceState::Uncertain => FenceBegin::Uncertain(f),
+        FenceState::Started if holder_alive(conn, &f)? => {
+            FenceBegin::InProgress { job_id: f.job_id }
+        }
+        FenceState::Started => FenceBegin::Abandoned(f),
+    })
+}
+
+/// Loads a fence that `lease` may move on: started by that lease, or by an
+/// attempt that died.
+fn owned_or_abandoned(
+    conn: &Connection,
+    lease: &LeaseRef,
+    id: &FenceId,
+) -> Result<Fence, StoreError> {
+    let f = load_fence(conn, id)?.ok_or_else(|| invalid_fence(id, "no such fence"))?;
+    if f.state != FenceState::Started {
+        return Err(invalid_fence(
+            id,
+            format!("it is {}, not started", f.state.as_str()),
+        ));
+    }
+    let mine = f.job_id == lease.job_id && f.token == lease.token;
+    if !mine && holder_alive(conn, &f)? {
+        return Err(invalid_fence(
+            id,
+            format!("a live attempt of job {:?} holds it", f.job_id),
+        ));
+    }
+    Ok(f)
+}
+
+fn set_fence(
+    conn: &Connection,
+    id: &FenceId,
+    state: FenceState,
+    lease: &LeaseRef,
+    attempt: u32,
+    result: Option<&[u8]>,
+    now: Millis,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "UPDATE fences SET state = ?4, job_id = ?5, attempt = ?6, token = ?7, result = COALESCE(?8, result), \
+         updated_at = ?9 WHERE namespace = ?1 AND kind = ?2 AND key = ?3",
+    )?
+    .execute(params![
+        id.namespace,
+        id.kind,
+        id.key,
+        state.as_str(),
+        lease.job_id,
+        attempt,
+        token_param(lease.token),
+        result,
+        now.0
+    ])?;
+    Ok(())
+}
+
+fn delete_fence(conn: &Connection, id: &FenceId) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM fences WHERE namespace = ?1 AND kind = ?2 AND key = ?3")?
+        .execute(params![id.namespace, id.kind, id.key])?;
+    Ok(())
+}
+
+/// The result recorded in a fence an operator resolved as done: there is no
+/// recorded response, so later attempts replay this marker.
+pub const RESOLVED_BY_OPERATOR: &[u8] = br#"{"resolved_by":"operator"}"#;
+
+fn fence_resolve_step(
+    conn: &Connection,
+    id: &FenceId,
+    resolution: Resolution,
+    now: Millis,
+) -> Result<(), StoreError> {
+    let f = load_fence(conn, id)?.ok_or_else(|| {
+        StoreError::NotFound(format!("fence {}/{}/{}", id.namespace, id.kind, id.key))
+    })?;
+    match f.state {
+        FenceState::Done => {
+            return Err(invalid_fence(id, "it is done; there is nothing to resolve"));
+        }
+        FenceState::Started if holder_alive(conn, &f)? => {
+            return Err(invalid_fence(
+                id,
+                format!("a live attempt of job {:?} holds it", f.job_id),
+            ));
+        }
+        FenceState::Started | FenceState::Uncertain => {}
+    }
+    match resolution {
+        Resolution::Done => {
+            conn.prepare_cached(
+                "UPDATE fences SET state = 'done', result = ?4, updated_at = ?5 \
+                 WHERE namespace = ?1 AND kind = ?2 AND key = ?3",
+            )?
+            .execute(params![
+                id.namespace,
+                id.kind,
+                id.key,
+                RESOLVED_BY_OPERATOR,
+                now.0
+            ])?;
+        }
+        Resolution::NotDone => delete_fence(conn, id)?,
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
@@ -1208,6 +1399,182 @@ impl Store for SqliteStore {
         self.read(
             move |c| Ok(index_read(c, &collection, &id)?.and_then(|(d, v)| d.map(|d| (d, v)))),
         )
+        .await
+    }
+
+    async fn fence_begin(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        fingerprint: &[u8],
+        now: Millis,
+    ) -> Result<FenceBegin, StoreError> {
+        let (lease, id, fingerprint) = (lease.clone(), id.clone(), fingerprint.to_vec());
+        self.write(true, move |w| {
+            fence_begin_step(&w.conn, &lease, attempt, &id, &fingerprint, now)
+        })
+        .await
+    }
+
+    async fn fence_take_over(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |w| {
+            check_lease(&w.conn, &lease)?;
+            owned_or_abandoned(&w.conn, &lease, &id)?;
+            set_fence(
+                &w.conn,
+                &id,
+                FenceState::Started,
+                &lease,
+                attempt,
+                None,
+                now,
+            )
+        })
+        .await
+    }
+
+    async fn fence_done(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        result: Vec<u8>,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |w| {
+            let f = owned_or_abandoned(&w.conn, &lease, &id)?;
+            if f.token != lease.token {
+                return Err(invalid_fence(&id, "another attempt took it over"));
+            }
+            set_fence(
+                &w.conn,
+                &id,
+                FenceState::Done,
+                &lease,
+                attempt,
+                Some(&result),
+                now,
+            )
+        })
+        .await
+    }
+
+    async fn fence_release(&self, lease: &LeaseRef, id: &FenceId) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |w| {
+            let f = owned_or_abandoned(&w.conn, &lease, &id)?;
+            if f.token != lease.token {
+                return Err(invalid_fence(&id, "another attempt took it over"));
+            }
+            delete_fence(&w.conn, &id)
+        })
+        .await
+    }
+
+    async fn fence_uncertain(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |w| {
+            owned_or_abandoned(&w.conn, &lease, &id)?;
+            set_fence(
+                &w.conn,
+                &id,
+                FenceState::Uncertain,
+                &lease,
+                attempt,
+                None,
+                now,
+            )
+        })
+        .await
+    }
+
+    async fn fence_resolve(
+        &self,
+        id: &FenceId,
+        resolution: Resolution,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let id = id.clone();
+        self.write(true, move |w| {
+            fence_resolve_step(&w.conn, &id, resolution, now)
+        })
+        .await
+    }
+
+    async fn fences(
+        &self,
+        namespace: Option<&str>,
+        state: Option<FenceState>,
+        limit: u32,
+    ) -> Result<Vec<Fence>, StoreError> {
+        let namespace = namespace.map(str::to_owned);
+        self.read(move |c| {
+            let sql = format!(
+                "SELECT {FENCE_COLUMNS} FROM fences WHERE (?1 IS NULL OR namespace = ?1) \
+                 AND (?2 IS NULL OR state = ?2) ORDER BY updated_at DESC LIMIT ?3"
+            );
+            let rows = c
+                .prepare_cached(&sql)?
+                .query_map(
+                    params![
+                        namespace,
+                        state.map(FenceState::as_str),
+                        limit.clamp(1, 1000)
+                    ],
+                    fence_from_row,
+                )?
+                .collect::<Result<_, _>>()?;
+            Ok(rows)
+        })
+        .await
+    }
+
+    async fn record_effect(&self, job_id: &str, record: EffectRecord) -> Result<(), StoreError> {
+        let job_id = job_id.to_owned();
+        self.write(false, move |w| {
+            w.conn
+                .prepare_cached(
+                    "INSERT INTO effects (job_id, attempt, n, kind, key, outcome, at) VALUES \
+                     (?1, ?2, (SELECT COALESCE(MAX(n), 0) + 1 FROM effects WHERE job_id = ?1 AND attempt = ?2), ?3, ?4, ?5, ?6)",
+                )?
+                .execute(params![job_id, record.attempt, record.kind, record.key, record.outcome, record.at.0])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn effects(&self, job_id: &str) -> Result<Vec<EffectRecord>, StoreError> {
+        let job_id = job_id.to_owned();
+        self.read(move |c| {
+            let rows = c
+                .prepare_cached("SELECT attempt, kind, key, outcome, at FROM effects WHERE job_id = ?1 ORDER BY attempt, n")?
+                .query_map([job_id], |r| {
+                    Ok(EffectRecord {
+                        attempt: r.get(0)?,
+                        kind: r.get(1)?,
+                        key: r.get(2)?,
+                        outcome: r.get(3)?,
+                        at: Millis(r.get(4)?),
+                    })
+                })?
+                .collect::<Result<_, _>>()?;
+            Ok(rows)
+        })
         .await
     }
 }
