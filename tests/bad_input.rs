@@ -113,7 +113,7 @@ async fn token_is_required_when_configured() {
         .call("POST", "/v1/queues/echo/jobs", Some(json!({"payload": {}})))
         .await;
     assert_eq!(status, 201, "the right token works");
-    let client = reqwest::Client::new();
+    let client = support::client();
     let url = format!("{}/v1/queues/echo/jobs", d.url);
     let none = client
         .post(&url)

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 
 use crate::job::{Attempt, Enqueued, Job, JobState, Millis, NewJob, canonical_json};
 use crate::queue::Queues;
-use crate::store::{JobFilter, Store, StoreError};
+use crate::store::{Fence, FenceId, FenceState, JobFilter, Resolution, Store, StoreError};
 
 /// Most jobs in one batch enqueue.
 pub const MAX_BATCH: usize = 1000;
@@ -117,6 +117,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
         .route("/v1/jobs/{id}/retry", post(retry_job))
         .route("/v1/index/{collection}/{id}", get(get_document))
+        .route("/v1/fences", get(list_fences))
+        .route("/v1/fences/resolve", post(resolve_fence))
         .route("/metrics", get(render_metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -383,7 +385,99 @@ async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiRe
         .ok_or_else(|| {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id:?}"))
         })?;
-    Ok(Json(job_json(&job)))
+    let effects = state.store.effects(&id).await?;
+    let mut body = job_json(&job);
+    body["effects"] = json!(effects
+        .iter()
+        .map(|e| json!({"attempt": e.attempt, "kind": e.kind, "key": e.key, "outcome": e.outcome, "at": time(e.at)}))
+        .collect::<Vec<_>>());
+    Ok(Json(body))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FenceQuery {
+    namespace: Option<String>,
+    state: Option<String>,
+    limit: Option<u32>,
+}
+
+fn fence_json(f: &Fence) -> Value {
+    json!({
+        "namespace": f.id.namespace,
+        "kind": f.id.kind,
+        "key": f.id.key,
+        "state": f.state,
+        "job_id": f.job_id,
+        "attempt": f.attempt,
+        "fencing_token": f.token,
+        "created_at": time(f.created_at),
+        "updated_at": time(f.updated_at),
+    })
+}
+
+async fn list_fences(
+    State(state): State<AppState>,
+    query: Result<Query<FenceQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    let Query(q) = query.map_err(|e| ApiError::bad_request(format!("query: {}", e.body_text())))?;
+    let fence_state = q
+        .state
+        .as_deref()
+        .map(|s| {
+            FenceState::parse(s).ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "state: unknown fence state {s:?}: expected started, done or uncertain"
+                ))
+            })
+        })
+        .transpose()?;
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request("limit: must be 1 to 1000"));
+    }
+    let fences = state
+        .store
+        .fences(q.namespace.as_deref(), fence_state, limit)
+        .await?;
+    Ok(Json(
+        json!({"fences": fences.iter().map(fence_json).collect::<Vec<_>>()}),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveBody {
+    namespace: String,
+    kind: String,
+    key: String,
+    outcome: String,
+}
+
+async fn resolve_fence(State(state): State<AppState>, body: Bytes) -> ApiResult<Json<Value>> {
+    let body: ResolveBody = parse_body(&body)?;
+    let resolution = match body.outcome.as_str() {
+        "done" => Resolution::Done,
+        "not-done" => Resolution::NotDone,
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "outcome: {other:?} is neither \"done\" nor \"not-done\""
+            )));
+        }
+    };
+    let id = FenceId {
+        namespace: body.namespace,
+        kind: body.kind,
+        key: body.key,
+    };
+    state
+        .store
+        .fence_resolve(&id, resolution, state.queues.now())
+        .await?;
+    tracing::info!(namespace = %id.namespace, kind = %id.kind, key = %id.key, outcome = %body.outcome, "fence resolved by an operator");
+    Ok(Json(
+        json!({"namespace": id.namespace, "kind": id.kind, "key": id.key, "resolved": body.outcome}),
+    ))
 }
 
 #[derive(Debug, Deserialize)]

@@ -850,6 +850,7 @@ impl Client {
         if url.host().is_none() {
             return Err(bad("no host".to_owned()));
         }
+        crate::effects::http::install_crypto_provider();
         let http = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT)

@@ -17,9 +17,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, AppState};
 use crate::config::{Backend, Config, Grants, Queue};
+use crate::effects::email::Mailer;
+use crate::effects::http::Providers;
 use crate::host::{Capability, Host, Plugin, PoolSize};
 use crate::job::Millis;
-use crate::queue::{Queues, Stop, SystemClock};
+use crate::queue::{Outside, Queues, Stop, SystemClock};
 use crate::store::Store;
 use crate::store::sqlite::SqliteStore;
 
@@ -155,6 +157,23 @@ fn check_supported(config: &Config) -> Result<(), String> {
     Ok(())
 }
 
+/// Builds the email transport and HTTP providers. A bad provider stops the
+/// start; an email transport that cannot be set up only fails the queues
+/// that send email.
+fn outside(config: &Config) -> anyhow::Result<Outside> {
+    let providers = Providers::from_config(&config.http)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", config.path.display()))?;
+    let mailer = Mailer::from_config(&config.email, &config.daemon.data_dir).map(Arc::new);
+    if let Err(e) = &mailer {
+        tracing::error!(error = %e, "the email transport is not available");
+    }
+    Ok(Outside {
+        mailer,
+        providers: Arc::new(providers),
+        email_from: config.email.from.clone(),
+    })
+}
+
 async fn run(config: Config) -> anyhow::Result<()> {
     check_supported(&config).map_err(|e| anyhow::anyhow!(e))?;
     let data_dir = &config.daemon.data_dir;
@@ -175,6 +194,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         Arc::clone(&host),
         Arc::new(SystemClock),
         config.queues.values().cloned(),
+        &outside(&config)?,
     ));
     let mut watcher = PluginWatcher::default();
     watcher.poll(&config, &host, &queues);

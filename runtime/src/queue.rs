@@ -23,7 +23,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::config;
-use crate::effects::Effects;
+use crate::effects::email::Mailer;
+use crate::effects::http::Providers;
+use crate::effects::{Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, RunOutcome};
 use crate::job::{AttemptOutcome, Finish, Lease, Millis};
 use crate::store::{Store, StoreError};
@@ -60,7 +62,7 @@ pub struct PluginSlot {
 /// One configured queue at run time.
 pub struct QueueRuntime {
     pub config: Arc<config::Queue>,
-    grants: Arc<config::Grants>,
+    scope: Arc<Scope>,
     plugin: RwLock<PluginSlot>,
     wake: Notify,
     /// Cancel tokens of the attempts running now, by job id.
@@ -96,6 +98,16 @@ impl QueueRuntime {
     }
 }
 
+/// The providers every queue's effects reach, built once from jobs.toml.
+#[derive(Debug, Clone)]
+pub struct Outside {
+    /// The email transport, or why it could not be set up.
+    pub mailer: Result<Arc<Mailer>, String>,
+    pub providers: Arc<Providers>,
+    /// The From address of messages that name none.
+    pub email_from: String,
+}
+
 /// Every queue of the daemon, and what their attempts share.
 pub struct Queues {
     store: Arc<dyn Store>,
@@ -128,12 +140,21 @@ impl Queues {
         host: Arc<Host>,
         clock: Arc<dyn Clock>,
         configs: impl IntoIterator<Item = config::Queue>,
+        outside: &Outside,
     ) -> Queues {
         let queues = configs
             .into_iter()
             .map(|q| {
                 let rt = QueueRuntime {
-                    grants: Arc::new(q.grants.clone()),
+                    scope: Arc::new(Scope {
+                        queue: q.name.clone(),
+                        namespace: q.namespace.clone(),
+                        grants: q.grants.clone(),
+                        on_uncertain: q.on_uncertain,
+                        mailer: outside.mailer.clone(),
+                        providers: Arc::clone(&outside.providers),
+                        email_from: outside.email_from.clone(),
+                    }),
                     config: Arc::new(q),
                     plugin: RwLock::new(PluginSlot::default()),
                     wake: Notify::new(),
@@ -282,11 +303,11 @@ impl Queues {
         }
         let effects = Effects::new(
             Arc::clone(&self.store),
-            cfg.name.clone(),
-            cfg.namespace.clone(),
-            Arc::clone(&q.grants),
+            Arc::clone(&q.scope),
             lease.fence(),
+            lease.attempt,
         );
+        let dead_letter = effects.dead_letter_flag();
         let input = JobInput {
             id: lease.job_id.clone(),
             queue: lease.queue.clone(),
@@ -313,7 +334,14 @@ impl Queues {
             running.remove(&lease.job_id);
         }
         let now = self.clock.now();
+        let dead_letter = dead_letter.lock().ok().and_then(|mut d| d.take());
         let finish = match ended {
+            // An effect's unknown outcome under `on_uncertain = "dead"` ends
+            // the job for a person to look at, whatever the handler did next.
+            Ended::Ran(_) if dead_letter.is_some() => Finish::Fail {
+                outcome: AttemptOutcome::Failed,
+                error: dead_letter.unwrap_or_default(),
+            },
             Ended::Ran(RunOutcome::Ok(result)) => Finish::Completed { result },
             Ended::Ran(RunOutcome::Retry(error)) => {
                 self.retry(cfg, &lease, AttemptOutcome::Retry, error, now)

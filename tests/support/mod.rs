@@ -32,6 +32,12 @@ pub fn guest(name: &str) -> PathBuf {
     path
 }
 
+/// A reqwest client; the crate's reqwest takes its TLS provider from khata.
+pub fn client() -> reqwest::Client {
+    khata::effects::http::install_crypto_provider();
+    reqwest::Client::new()
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -46,6 +52,7 @@ pub struct Daemon {
     pub token: Option<String>,
     child: Option<Child>,
     pub http: reqwest::Client,
+    envs: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -80,7 +87,8 @@ impl Daemon {
             url: format!("http://127.0.0.1:{port}"),
             token,
             child: None,
-            http: reqwest::Client::new(),
+            http: client(),
+            envs: Vec::new(),
         }
     }
 
@@ -89,6 +97,11 @@ impl Daemon {
         let mut d = Self::prepare(queues_toml, plugins);
         d.start().await;
         d
+    }
+
+    /// Sets an environment variable of the daemon process.
+    pub fn env(&mut self, key: &str, value: &str) {
+        self.envs.push((key.to_owned(), value.to_owned()));
     }
 
     pub fn config_path(&self) -> PathBuf {
@@ -111,6 +124,7 @@ impl Daemon {
             .args(["serve", "-c"])
             .arg(self.config_path())
             .env("KHATA_LOG", "info")
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -9,17 +9,25 @@
 //!    attempt that no longer holds its job is `fenced` and changes nothing.
 //!
 //! The embedded effects (kv, index) are single store steps, idempotent by
-//! nature, and need no fence of their own. Email and HTTP, the external
-//! effects with fences and providers, are not granted by this build: their
-//! calls are `denied` with a message that says so.
+//! nature, and need no fence of their own. The external effects (email,
+//! http) go through [`fenced`]: a durable fence per idempotency key, so that
+//! each happens once, or is reported `uncertain` where once cannot be known.
 //!
 //! This module knows nothing of wasmtime: the host maps its types to the WIT.
 
-use std::sync::Arc;
+pub mod email;
+pub mod fenced;
+pub mod http;
 
-use crate::config::Grants;
+use std::sync::{Arc, Mutex};
+
+use crate::config::{Grants, OnUncertain};
 use crate::job::{LeaseRef, Millis};
+use crate::store::sqlite::RESOLVED_BY_OPERATOR;
 use crate::store::{Store, StoreError, UpsertOutcome};
+use email::{Mail, Mailer, SendError};
+use fenced::{Effect, Fenced, Reconciled, Tried};
+use http::{HttpError, HttpRequest, HttpResponse, Provider, Providers};
 
 /// Largest kv key or index id, in bytes.
 pub const MAX_KEY: usize = 1024;
@@ -57,13 +65,44 @@ impl From<StoreError> for EffectError {
     }
 }
 
+/// What the attempts of one queue may reach: its grants, policy and the
+/// providers configured for the daemon.
+pub struct Scope {
+    pub queue: String,
+    pub namespace: String,
+    pub grants: Grants,
+    pub on_uncertain: OnUncertain,
+    /// `None` when the email transport could not be set up (the error says why).
+    pub mailer: Result<Arc<Mailer>, String>,
+    pub providers: Arc<Providers>,
+    /// The From address used when a message names none.
+    pub email_from: String,
+}
+
+impl std::fmt::Debug for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Set by an effect whose outcome is unknown under `on_uncertain = "dead"`:
+/// the attempt then ends its job in the dead-letter queue, whatever the
+/// handler returns.
+pub type DeadLetter = Arc<Mutex<Option<String>>>;
+
 /// The effects of one attempt.
 pub struct Effects {
     store: Arc<dyn Store>,
+    scope: Arc<Scope>,
     queue: String,
     namespace: String,
-    grants: Arc<Grants>,
+    grants: Grants,
+    on_uncertain: OnUncertain,
     lease: LeaseRef,
+    attempt: u32,
+    dead: DeadLetter,
 }
 
 impl std::fmt::Debug for Effects {
@@ -95,19 +134,28 @@ fn check_value(what: &str, len: usize) -> Result<(), EffectError> {
 }
 
 impl Effects {
-    pub fn new(
-        store: Arc<dyn Store>,
-        queue: String,
-        namespace: String,
-        grants: Arc<Grants>,
-        lease: LeaseRef,
-    ) -> Effects {
+    pub fn new(store: Arc<dyn Store>, scope: Arc<Scope>, lease: LeaseRef, attempt: u32) -> Effects {
         Effects {
             store,
-            queue,
-            namespace,
-            grants,
+            queue: scope.queue.clone(),
+            namespace: scope.namespace.clone(),
+            grants: scope.grants.clone(),
+            on_uncertain: scope.on_uncertain,
+            scope,
             lease,
+            attempt,
+            dead: DeadLetter::default(),
+        }
+    }
+
+    /// The flag an effect sets to dead-letter the job (see [`DeadLetter`]).
+    pub fn dead_letter_flag(&self) -> DeadLetter {
+        Arc::clone(&self.dead)
+    }
+
+    fn dead_letter(&self, reason: String) {
+        if let Ok(mut d) = self.dead.lock() {
+            d.get_or_insert(reason);
         }
     }
 
@@ -226,19 +274,167 @@ impl Effects {
             .await?)
     }
 
-    /// Email is an external effect; its provider comes with the effects broker.
-    pub fn email_denied(&self) -> EffectError {
-        EffectError::Denied(format!(
-            "queue {:?}: email is not available in this build of khata",
-            self.queue
-        ))
+    /// Sends one email through the configured transport, once per key.
+    /// Returns the Message-ID and whether the send was replayed.
+    pub async fn email_send(&self, key: &str, mail: Mail) -> Result<(String, bool), EffectError> {
+        if !self.grants.email {
+            return Err(EffectError::Denied(format!(
+                "queue {:?} is not granted email (grants = {{ email = true }})",
+                self.queue
+            )));
+        }
+        check_key("an email key", key)?;
+        let mailer = self.scope.mailer.as_ref().map_err(|e| {
+            EffectError::Transient(format!("the email transport is not available: {e}"))
+        })?;
+        let from = mail.from.as_deref().unwrap_or(&self.scope.email_from);
+        let message_id = email::message_id(&self.namespace, key, from);
+        let effect = EmailEffect {
+            mailer,
+            mail: &mail,
+            message_id: &message_id,
+        };
+        let answer = Fenced::new(self, &effect, key).call().await?;
+        Ok((message_id, answer.replayed))
     }
 
-    /// HTTP is an external effect; its providers come with the effects broker.
-    pub fn http_denied(&self, provider: &str) -> EffectError {
-        EffectError::Denied(format!(
-            "queue {:?}: http provider {provider:?} is not available in this build of khata",
-            self.queue
-        ))
+    /// Sends one request to a named provider, once per key.
+    pub async fn http_send(
+        &self,
+        key: &str,
+        provider: &str,
+        request: HttpRequest,
+    ) -> Result<(HttpResponse, bool), EffectError> {
+        if !self.grants.http.iter().any(|p| p == provider) {
+            return Err(EffectError::Denied(format!(
+                "queue {:?} is not granted http provider {provider:?} (grants = {{ http = [{provider:?}] }})",
+                self.queue
+            )));
+        }
+        check_key("an http key", key)?;
+        let provider = self.scope.providers.get(provider).ok_or_else(|| {
+            EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
+        })?;
+        provider
+            .validate(&request)
+            .map_err(|e| EffectError::Invalid(e.to_string()))?;
+        let effect = HttpEffect {
+            provider,
+            key,
+            request: &request,
+        };
+        let answer = Fenced::new(self, &effect, key).call().await?;
+        let response = if answer.result == RESOLVED_BY_OPERATOR {
+            HttpResponse {
+                status: 204,
+                headers: vec![("khata-resolved-by".into(), "operator".into())],
+                body: Vec::new(),
+            }
+        } else {
+            serde_json::from_slice(&answer.result).map_err(|e| {
+                EffectError::Transient(format!(
+                    "the recorded response of {key:?} cannot be read: {e}"
+                ))
+            })?
+        };
+        Ok((response, answer.replayed))
+    }
+}
+
+struct EmailEffect<'a> {
+    mailer: &'a Mailer,
+    mail: &'a Mail,
+    message_id: &'a str,
+}
+
+impl Effect for EmailEffect<'_> {
+    fn kind(&self) -> &'static str {
+        "email"
+    }
+
+    fn canonical(&self) -> Vec<u8> {
+        serde_json::to_vec(self.mail).unwrap_or_default()
+    }
+
+    fn idempotent(&self) -> bool {
+        self.mailer.idempotent()
+    }
+
+    async fn perform(&self, _fencing_token: u64) -> Tried {
+        match self.mailer.send(self.mail, self.message_id).await {
+            Ok(()) => Tried::Done(self.message_id.as_bytes().to_vec()),
+            Err(SendError::Invalid(m)) => Tried::Invalid(m),
+            Err(SendError::NotSent(m)) => Tried::NotSent(m),
+            Err(SendError::Rejected(m)) => Tried::Rejected(m),
+            Err(SendError::Unknown(m)) => Tried::Unknown(m),
+        }
+    }
+
+    async fn reconcile(&self, _fencing_token: u64) -> Reconciled {
+        match self.mailer.lookup(self.message_id).await {
+            Some(true) => Reconciled::Happened(self.message_id.as_bytes().to_vec()),
+            Some(false) => Reconciled::NotHappened,
+            None => Reconciled::Unknown,
+        }
+    }
+}
+
+struct HttpEffect<'a> {
+    provider: &'a Provider,
+    key: &'a str,
+    request: &'a HttpRequest,
+}
+
+fn recorded(response: &HttpResponse) -> Tried {
+    match serde_json::to_vec(response) {
+        Ok(bytes) => Tried::Done(bytes),
+        Err(e) => Tried::Unknown(format!("the response could not be recorded: {e}")),
+    }
+}
+
+impl Effect for HttpEffect<'_> {
+    fn kind(&self) -> &'static str {
+        "http"
+    }
+
+    fn canonical(&self) -> Vec<u8> {
+        let mut c = self.provider.name().as_bytes().to_vec();
+        c.push(0);
+        c.extend(self.provider.canonical(self.request));
+        c
+    }
+
+    fn idempotent(&self) -> bool {
+        self.provider.idempotent()
+    }
+
+    async fn perform(&self, fencing_token: u64) -> Tried {
+        match self
+            .provider
+            .send(self.key, fencing_token, self.request)
+            .await
+        {
+            Ok(response) => recorded(&response),
+            Err(HttpError::Invalid(m)) => Tried::Invalid(m),
+            Err(HttpError::NotSent(m)) => Tried::NotSent(m),
+            // A response came, but too big to keep: the effect happened.
+            Err(HttpError::TooLarge(m)) => recorded(&HttpResponse {
+                status: 502,
+                headers: vec![("khata-error".into(), format!("response too large: {m}"))],
+                body: Vec::new(),
+            }),
+            Err(HttpError::Unknown(m)) => Tried::Unknown(m),
+        }
+    }
+
+    async fn reconcile(&self, fencing_token: u64) -> Reconciled {
+        match self.provider.reconcile(self.key, fencing_token).await {
+            Some(Ok(Some(response))) => match serde_json::to_vec(&response) {
+                Ok(bytes) => Reconciled::Happened(bytes),
+                Err(_) => Reconciled::Unknown,
+            },
+            Some(Ok(None)) => Reconciled::NotHappened,
+            Some(Err(_)) | None => Reconciled::Unknown,
+        }
     }
 }

@@ -3,6 +3,8 @@
 //! grants and fences.
 
 use crate::effects::EffectError as Refused;
+use crate::effects::email::Mail;
+use crate::effects::http::HttpRequest;
 use crate::store::UpsertOutcome;
 
 use super::AttemptState;
@@ -139,20 +141,44 @@ impl index::Host for AttemptState {
 impl email::Host for AttemptState {
     async fn send(
         &mut self,
-        _key: String,
-        _message: email::Message,
+        key: String,
+        message: email::Message,
     ) -> Result<email::Receipt, types::EffectError> {
-        Err(self.effects.email_denied().into())
+        let mail = Mail {
+            to: message.to,
+            cc: message.cc,
+            from: message.from,
+            subject: message.subject,
+            text: message.text,
+            html: message.html,
+        };
+        let (message_id, replayed) = self.effects.email_send(&key, mail).await?;
+        Ok(email::Receipt {
+            message_id,
+            replayed,
+        })
     }
 }
 
 impl http::Host for AttemptState {
     async fn send(
         &mut self,
-        _key: String,
+        key: String,
         request: http::Request,
     ) -> Result<http::Response, types::EffectError> {
-        Err(self.effects.http_denied(&request.provider).into())
+        let req = HttpRequest {
+            method: request.method,
+            path: request.path,
+            headers: request.headers,
+            body: request.body,
+        };
+        let (response, replayed) = self.effects.http_send(&key, &request.provider, req).await?;
+        Ok(http::Response {
+            status: response.status,
+            headers: response.headers,
+            body: response.body,
+            replayed,
+        })
     }
 }
 

@@ -855,12 +855,22 @@ pub async fn fence_of_a_dead_attempt(s: Arc<dyn Store>) {
             .await
             .is_err()
     );
+    // Another job sees the fence held by a live attempt.
+    enqueue1(&*s, with_id(new_job("q", "2"), "b"), at(12)).await;
+    let other = lease1(&*s, "q", at(12)).await;
     assert_eq!(
-        s.fence_begin(&second.fence(), 2, &id, b"fp", at(12))
+        s.fence_begin(&other.fence(), 1, &id, b"fp", at(12))
             .await
             .unwrap(),
         FenceBegin::InProgress { job_id: "a".into() }
     );
+    // The holder's own next call finds its earlier call over: unknown.
+    assert!(matches!(
+        s.fence_begin(&second.fence(), 2, &id, b"fp", at(12))
+            .await
+            .unwrap(),
+        FenceBegin::Abandoned(_)
+    ));
     s.fence_done(&second.fence(), 2, &id, b"sent".to_vec(), at(13))
         .await
         .unwrap();

@@ -132,10 +132,10 @@ pub enum FenceBegin {
     Replay(Vec<u8>),
     /// Done, uncertain or started before with another request.
     KeyReused,
-    /// Started by an attempt that still holds its job.
+    /// Started by another attempt that still holds its job.
     InProgress { job_id: String },
-    /// Started by an attempt that died (crash, timeout, cancel): the outcome
-    /// is unknown. The caller resolves it by the provider's nature, then
+    /// Started by an attempt that died (crash, timeout, cancel), or by an
+    /// earlier call of this attempt that ended without an outcome: unknown. The caller resolves it by the provider's nature, then
     /// calls `fence_take_over`, `fence_done`, `fence_release` or
     /// `fence_uncertain`.
     Abandoned(Fence),

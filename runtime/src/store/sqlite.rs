@@ -966,6 +966,11 @@ fn fence_begin_step(
     Ok(match f.state {
         FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
         FenceState::Uncertain => FenceBegin::Uncertain(f),
+        // A guest's host calls are sequential: a fence this very attempt
+        // started belongs to a call that is over, whose outcome is unknown.
+        FenceState::Started if f.job_id == lease.job_id && f.token == lease.token => {
+            FenceBegin::Abandoned(f)
+        }
         FenceState::Started if holder_alive(conn, &f)? => {
             FenceBegin::InProgress { job_id: f.job_id }
         }

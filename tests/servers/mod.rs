@@ -1,0 +1,212 @@
+//! Real servers on 127.0.0.1 for the effects tests: a payments API that
+//! deduplicates by idempotency key (as Stripe does), a server that takes a
+//! request and drops the connection without answering, and an SMTP server
+//! (aiosmtpd, from PyPI) that saves every message it receives.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::{Value, json};
+use tokio::io::AsyncReadExt;
+
+/// One request the payments server received.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub idempotency_key: Option<String>,
+    pub fencing_token: Option<String>,
+    pub authorization: Option<String>,
+    pub body: Value,
+}
+
+#[derive(Default)]
+struct Ledger {
+    requests: Vec<Seen>,
+    /// Charges by idempotency key (or by request number without one).
+    charges: HashMap<String, Value>,
+}
+
+/// A payments API: `POST /v1/charges` creates a charge, once per
+/// `Idempotency-Key`; `GET /v1/charges?key=` looks one up.
+#[derive(Clone)]
+pub struct Payments {
+    pub addr: SocketAddr,
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+fn header(h: &HeaderMap, name: &str) -> Option<String> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+}
+
+async fn charge(
+    State(ledger): State<Arc<Mutex<Ledger>>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let mut l = ledger.lock().unwrap();
+    let key = header(&headers, "idempotency-key");
+    l.requests.push(Seen {
+        idempotency_key: key.clone(),
+        fencing_token: header(&headers, "khata-fencing-token"),
+        authorization: header(&headers, "authorization"),
+        body: body.clone(),
+    });
+    let n = l.requests.len();
+    let key = key.unwrap_or_else(|| format!("request-{n}"));
+    let charge = l
+        .charges
+        .entry(key)
+        .or_insert_with(|| json!({"id": format!("ch_{n}"), "amount": body["amount"], "order_id": body["order_id"]}))
+        .clone();
+    (StatusCode::OK, Json(charge))
+}
+
+async fn lookup(
+    State(ledger): State<Arc<Mutex<Ledger>>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> (StatusCode, Json<Value>) {
+    let l = ledger.lock().unwrap();
+    match q.get("key").and_then(|k| l.charges.get(k)) {
+        Some(c) => (StatusCode::OK, Json(c.clone())),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no such charge"})),
+        ),
+    }
+}
+
+impl Payments {
+    pub async fn start() -> Payments {
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        let app = Router::new()
+            .route("/v1/charges", post(charge).get(lookup))
+            .with_state(Arc::clone(&ledger));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Payments { addr, ledger }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn requests(&self) -> Vec<Seen> {
+        self.ledger.lock().unwrap().requests.clone()
+    }
+
+    /// Charges created (distinct idempotency keys).
+    pub fn charges(&self) -> usize {
+        self.ledger.lock().unwrap().charges.len()
+    }
+}
+
+/// Accepts connections, reads a request, and closes without answering:
+/// the client cannot know whether the request took effect.
+pub async fn black_hole() -> (SocketAddr, Arc<Mutex<usize>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(Mutex::new(0usize));
+    let seen = Arc::clone(&count);
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let mut buf = vec![0u8; 65536];
+            let mut got = Vec::new();
+            while let Ok(n) = sock.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+                if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            *seen.lock().unwrap() += 1;
+            drop(sock);
+        }
+    });
+    (addr, count)
+}
+
+/// An aiosmtpd server that saves each message as a file in `dir`.
+pub struct Smtp {
+    pub port: u16,
+    pub dir: PathBuf,
+    child: Child,
+}
+
+const SMTP_SINK: &str = r#"
+import sys, time, pathlib, uuid
+from aiosmtpd.controller import Controller
+class Save:
+    async def handle_DATA(self, server, session, envelope):
+        out = pathlib.Path(sys.argv[2])
+        name = out / (uuid.uuid4().hex + ".eml")
+        name.write_bytes(envelope.original_content or envelope.content)
+        return "250 OK"
+c = Controller(Save(), hostname="127.0.0.1", port=int(sys.argv[1]))
+c.start()
+print("ready", flush=True)
+while True:
+    time.sleep(3600)
+"#;
+
+impl Smtp {
+    /// Starts the server; panics with a clear message when aiosmtpd is missing.
+    pub fn start(dir: &Path) -> Smtp {
+        let port = crate::support::free_port();
+        std::fs::create_dir_all(dir).unwrap();
+        let mut child = Command::new("python3")
+            .args(["-c", SMTP_SINK, &port.to_string()])
+            .arg(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "the SMTP test server exited ({status}); is aiosmtpd installed? (python3 -m pip install aiosmtpd)"
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the SMTP test server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Smtp {
+            port,
+            dir: dir.to_owned(),
+            child,
+        }
+    }
+
+    pub fn messages(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&self.dir).unwrap() {
+            out.push(std::fs::read_to_string(e.unwrap().path()).unwrap());
+        }
+        out
+    }
+}
+
+impl Drop for Smtp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
