@@ -223,3 +223,121 @@ async fn welcome_email_over_real_smtp() {
     );
     assert!(messages[0].contains("Welcome, Bob!"));
 }
+
+fn jitter_ms(lo: u64, hi: u64) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    lo + u64::from(nanos) % (hi - lo)
+}
+
+/// Enqueues `orders` charges, kills the daemon three times at random
+/// moments while they run, and waits until every job has ended.
+async fn charge_through_crashes(d: &mut Daemon, orders: u64) -> Vec<serde_json::Value> {
+    for start in (0..orders).step_by(500) {
+        let jobs: Vec<_> = (start..(start + 500).min(orders))
+            .map(|i| json!({"id": format!("order-{i}"), "payload": {"order_id": i, "amount": 100, "currency": "EUR", "customer": "c"}}))
+            .collect();
+        let (status, v) = d
+            .call(
+                "POST",
+                "/v1/queues/charge/jobs/batch",
+                Some(json!({"jobs": jobs})),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    }
+    for _ in 0..3 {
+        tokio::time::sleep(std::time::Duration::from_millis(jitter_ms(100, 600))).await;
+        d.kill9();
+        d.start().await;
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let c = &d.queue("charge").await["counts"];
+        let ended = c["completed"].as_u64().unwrap() + c["dead"].as_u64().unwrap();
+        if ended == orders {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "jobs did not end: {c}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let mut jobs = Vec::new();
+    for i in 0..orders {
+        jobs.push(d.job(&format!("order-{i}")).await);
+    }
+    jobs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_provider_charges_each_order_once_across_kill_nine() {
+    let payments = Payments::start_with_delay(std::time::Duration::from_millis(20)).await;
+    let config = charge_queue(
+        &payments.url(),
+        "idempotency_header = \"Idempotency-Key\"",
+        "concurrency = 16\nmax_attempts = 20\nbackoff = { initial = \"10ms\", max = \"50ms\" }",
+    );
+    let mut d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let orders = 600;
+    let jobs = charge_through_crashes(&mut d, orders).await;
+    for (i, j) in jobs.iter().enumerate() {
+        assert_eq!(j["state"], "completed", "order {i}: {j}");
+    }
+    assert_eq!(payments.charges(), orders as usize, "one charge per order");
+    for r in payments.requests() {
+        let order = r.body["order_id"].as_u64().unwrap();
+        assert_eq!(
+            r.idempotency_key,
+            Some(format!("order-charge-{order}")),
+            "every request carries its order's key"
+        );
+    }
+    let repeats = payments.requests().len() - orders as usize;
+    eprintln!(
+        "{repeats} requests repeated with the same key after a crash (deduplicated by the provider)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_idempotent_provider_never_charges_twice_under_skip() {
+    let payments = Payments::start_with_delay(std::time::Duration::from_millis(20)).await;
+    let config = charge_queue(
+        &payments.url(),
+        "",
+        "concurrency = 16\nmax_attempts = 20\non_uncertain = \"skip\"\nbackoff = { initial = \"10ms\", max = \"50ms\" }",
+    );
+    let mut d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let orders = 600;
+    let jobs = charge_through_crashes(&mut d, orders).await;
+    let (_, v) = d
+        .call("GET", "/v1/fences?state=uncertain&limit=1000", None)
+        .await;
+    let uncertain: std::collections::HashSet<String> = v["fences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["key"].as_str().unwrap().to_owned())
+        .collect();
+    for (i, j) in jobs.iter().enumerate() {
+        let sent = payments.requests_for(i as u64);
+        assert!(sent <= 1, "order {i} was charged {sent} times: {j}");
+        let key = format!("order-charge-{i}");
+        match j["state"].as_str().unwrap() {
+            "completed" => assert_eq!(sent, 1, "order {i} completed without its charge: {j}"),
+            "dead" => assert!(
+                uncertain.contains(&key),
+                "order {i} is dead but its fence is not uncertain: {j}"
+            ),
+            other => panic!("order {i} ended {other}: {j}"),
+        }
+    }
+    eprintln!(
+        "{} orders uncertain after three kill -9, none charged twice",
+        uncertain.len()
+    );
+}

@@ -30,6 +30,8 @@ pub struct Seen {
 
 #[derive(Default)]
 struct Ledger {
+    /// How long each charge takes to answer.
+    delay: Duration,
     requests: Vec<Seen>,
     /// Charges by idempotency key (or by request number without one).
     charges: HashMap<String, Value>,
@@ -86,7 +88,15 @@ async fn lookup(
 
 impl Payments {
     pub async fn start() -> Payments {
-        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        Self::start_with_delay(Duration::ZERO).await
+    }
+
+    /// A server that takes `delay` to answer each charge.
+    pub async fn start_with_delay(delay: Duration) -> Payments {
+        let ledger = Arc::new(Mutex::new(Ledger {
+            delay,
+            ..Ledger::default()
+        }));
         let app = Router::new()
             .route("/v1/charges", post(charge).get(lookup))
             .with_state(Arc::clone(&ledger));
@@ -102,6 +112,14 @@ impl Payments {
 
     pub fn requests(&self) -> Vec<Seen> {
         self.ledger.lock().unwrap().requests.clone()
+    }
+
+    /// Requests whose body names this order.
+    pub fn requests_for(&self, order_id: u64) -> usize {
+        self.requests()
+            .iter()
+            .filter(|r| r.body["order_id"] == order_id)
+            .count()
     }
 
     /// Charges created (distinct idempotency keys).
