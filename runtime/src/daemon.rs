@@ -39,6 +39,8 @@ pub fn serve(config_path: &Path) -> anyhow::Result<()> {
         .enable_all()
         .thread_name("khata")
         .build()?;
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     runtime.block_on(run(config))
 }
 

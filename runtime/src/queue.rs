@@ -364,6 +364,7 @@ impl Queues {
                 error: "interrupted: the daemon shut down during this attempt".into(),
             },
         };
+        crate::effects::fenced::failpoint("queue::before_finish").await;
         let outcome = outcome_label(&finish);
         metrics::counter!("khata_attempts_total", "queue" => cfg.name.clone(), "outcome" => outcome).increment(1);
         metrics::histogram!("khata_attempt_duration_seconds", "queue" => cfg.name.clone())

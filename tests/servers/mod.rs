@@ -77,7 +77,25 @@ async fn lookup(
     Query(q): Query<HashMap<String, String>>,
 ) -> (StatusCode, Json<Value>) {
     let l = ledger.lock().unwrap();
-    match q.get("key").and_then(|k| l.charges.get(k)) {
+    // A charge is found by its idempotency key, or by the merchant's
+    // reference `order-charge-<order_id>` taken from its body.
+    let by_reference = |k: &String| {
+        l.requests
+            .iter()
+            .position(|r| format!("order-charge-{}", r.body["order_id"]) == *k)
+            .and_then(|i| {
+                l.charges.get(
+                    &l.requests[i]
+                        .idempotency_key
+                        .clone()
+                        .unwrap_or_else(|| format!("request-{}", i + 1)),
+                )
+            })
+    };
+    match q
+        .get("key")
+        .and_then(|k| l.charges.get(k).or_else(|| by_reference(k)))
+    {
         Some(c) => (StatusCode::OK, Json(c.clone())),
         None => (
             StatusCode::NOT_FOUND,

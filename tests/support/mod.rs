@@ -104,6 +104,11 @@ impl Daemon {
         self.envs.push((key.to_owned(), value.to_owned()));
     }
 
+    /// Removes an environment variable set with `env`, for the next start.
+    pub fn unset_env(&mut self, key: &str) {
+        self.envs.retain(|(k, _)| k != key);
+    }
+
     pub fn config_path(&self) -> PathBuf {
         self.dir.path().join("jobs.toml")
     }

@@ -85,6 +85,19 @@ fn fingerprint(kind: &str, canonical: &[u8]) -> Vec<u8> {
     h.finalize().to_vec()
 }
 
+/// A failpoint for the crash tests: with the `failpoints` feature and
+/// `FAILPOINTS="<name>=1*return(<ms>)"`, the call waits there for `ms` while
+/// the test kills the daemon. Without the feature it is nothing.
+pub async fn failpoint(name: &str) {
+    #[cfg(feature = "failpoints")]
+    if let Some(ms) = fail::eval(name, |arg| arg.and_then(|a| a.parse::<u64>().ok())).flatten() {
+        tracing::warn!(failpoint = name, ms, "paused at a failpoint");
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
 fn store_error(e: StoreError) -> EffectError {
     e.into()
 }
@@ -199,7 +212,10 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
     /// Performs the effect under a fence this attempt holds.
     async fn perform(&self, performs: u32) -> Result<Answer, EffectError> {
         let fx = self.effects;
-        match self.effect.perform(fx.lease.token).await {
+        failpoint("effect::after_started").await;
+        let tried = self.effect.perform(fx.lease.token).await;
+        failpoint("effect::after_response").await;
+        match tried {
             Tried::Done(result) => {
                 fx.store
                     .fence_done(

@@ -1,0 +1,283 @@
+//! The rare crash points of DESIGN 4, hit on purpose: a failpoint holds the
+//! daemon at one point of an effect while the test `kill -9`s it, then the
+//! daemon restarts without the failpoint. One test per row of the table
+//! whose outcome depends on where the crash fell.
+//!
+//! Needs the `failpoints` feature (`scripts/test` enables it).
+#![cfg(feature = "failpoints")]
+
+mod servers;
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use servers::{Payments, Smtp};
+use support::{Daemon, payload};
+
+const HOLD: &str = "1*return(60000)";
+
+fn charge_config(payments: &Payments, provider_extra: &str) -> String {
+    format!(
+        "[queues.charge]\nplugin = \"charge_customer\"\ngrants = {{ http = [\"payments\"] }}\nmax_attempts = 3\n\
+         [http.payments]\nbase_url = \"{}\"\ntimeout = \"5s\"\n{provider_extra}\n",
+        payments.url()
+    )
+}
+
+/// Starts a daemon with `FAILPOINTS=<point>=<HOLD>`.
+async fn start_held(config: &str, plugin: &str, point: &str) -> Daemon {
+    let mut d = Daemon::prepare(config, &[(plugin, plugin)]);
+    d.env("FAILPOINTS", &format!("{point}={HOLD}"));
+    d.start().await;
+    d
+}
+
+async fn until(what: &str, d: &Daemon, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn fence_state(d: &Daemon, key: &str) -> Option<String> {
+    let (_, v) = d.call("GET", "/v1/fences", None).await;
+    v["fences"]
+        .as_array()?
+        .iter()
+        .find(|f| f["key"] == key)
+        .map(|f| f["state"].as_str().unwrap_or_default().to_owned())
+}
+
+/// `kill -9` at the held point, then restart without failpoints.
+async fn crash_and_restart(d: &mut Daemon) {
+    d.kill9();
+    d.unset_env("FAILPOINTS");
+    d.start().await;
+}
+
+fn order(id: u32) -> serde_json::Value {
+    payload(json!({"order_id": id, "amount": 500, "currency": "EUR", "customer": "c"}))
+}
+
+#[tokio::test]
+async fn crash_after_started_idempotent_provider_performs_once_after_restart() {
+    let payments = Payments::start().await;
+    let config = charge_config(&payments, "idempotency_header = \"Idempotency-Key\"");
+    let mut d = start_held(&config, "charge_customer", "effect::after_started").await;
+    let id = d.enqueue("charge", order(1)).await;
+    until("the fence to be started", &d, async || {
+        fence_state(&d, "order-charge-1").await.as_deref() == Some("started")
+    })
+    .await;
+    crash_and_restart(&mut d).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(
+        payments.requests().len(),
+        1,
+        "performed once, after the restart"
+    );
+    assert_eq!(payments.charges(), 1);
+    assert_eq!(j["attempts"][0]["outcome"], "abandoned", "{j}");
+    assert_eq!(j["effects"][0]["outcome"], "performed", "{j}");
+}
+
+#[tokio::test]
+async fn crash_after_started_non_idempotent_is_uncertain_under_skip() {
+    let payments = Payments::start().await;
+    let mut d = start_held(
+        &charge_config(&payments, ""),
+        "charge_customer",
+        "effect::after_started",
+    )
+    .await;
+    let id = d.enqueue("charge", order(2)).await;
+    until("the fence to be started", &d, async || {
+        fence_state(&d, "order-charge-2").await.as_deref() == Some("started")
+    })
+    .await;
+    crash_and_restart(&mut d).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert!(
+        j["last_error"].as_str().unwrap().contains("uncertain"),
+        "{j}"
+    );
+    assert_eq!(
+        fence_state(&d, "order-charge-2").await.as_deref(),
+        Some("uncertain")
+    );
+    assert_eq!(
+        payments.requests().len(),
+        0,
+        "khata cannot know, so it does not guess"
+    );
+    // The operator knows it did not happen: the next attempt performs it.
+    let out = d.cli(&[
+        "fence",
+        "resolve",
+        "charge",
+        "http",
+        "order-charge-2",
+        "not-done",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.cli(&["retry", &id]);
+    d.wait_state(&id, "completed", 30).await;
+    assert_eq!(payments.requests().len(), 1);
+}
+
+#[tokio::test]
+async fn crash_between_response_and_done_is_reconciled_with_the_provider() {
+    let payments = Payments::start().await;
+    let config = charge_config(
+        &payments,
+        "reconcile = { method = \"GET\", path = \"/v1/charges?key={key}\" }",
+    );
+    let mut d = start_held(&config, "charge_customer", "effect::after_response").await;
+    let id = d.enqueue("charge", order(3)).await;
+    until("the provider to answer", &d, async || {
+        payments.requests().len() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        fence_state(&d, "order-charge-3").await.as_deref(),
+        Some("started")
+    );
+    crash_and_restart(&mut d).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(
+        payments.requests().len(),
+        1,
+        "reconciliation found the charge: no second one"
+    );
+    assert_eq!(j["result"]["replayed"], true, "{j}");
+    assert_eq!(j["effects"][0]["outcome"], "reconciled:done", "{j}");
+}
+
+#[tokio::test]
+async fn crash_between_started_and_send_is_reconciled_as_not_done() {
+    let payments = Payments::start().await;
+    let config = charge_config(
+        &payments,
+        "reconcile = { method = \"GET\", path = \"/v1/charges?key={key}\" }",
+    );
+    let mut d = start_held(&config, "charge_customer", "effect::after_started").await;
+    let id = d.enqueue("charge", order(4)).await;
+    until("the fence to be started", &d, async || {
+        fence_state(&d, "order-charge-4").await.as_deref() == Some("started")
+    })
+    .await;
+    crash_and_restart(&mut d).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(
+        payments.requests().len(),
+        1,
+        "the look-up said 404, so it was performed"
+    );
+    assert_eq!(j["effects"][0]["outcome"], "reconciled:not-done", "{j}");
+    assert_eq!(j["effects"][1]["outcome"], "performed", "{j}");
+}
+
+#[tokio::test]
+async fn crash_after_done_before_completion_replays() {
+    let payments = Payments::start().await;
+    let mut d = start_held(
+        &charge_config(&payments, ""),
+        "charge_customer",
+        "queue::before_finish",
+    )
+    .await;
+    let id = d.enqueue("charge", order(5)).await;
+    until("the fence to be done", &d, async || {
+        fence_state(&d, "order-charge-5").await.as_deref() == Some("done")
+    })
+    .await;
+    crash_and_restart(&mut d).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(
+        payments.requests().len(),
+        1,
+        "a done effect is never repeated"
+    );
+    assert_eq!(j["result"]["replayed"], true, "{j}");
+    let outcomes: Vec<_> = j["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["attempt"].clone(), e["outcome"].clone()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (json!(1), json!("performed")),
+            (json!(2), json!("replayed"))
+        ]
+    );
+}
+
+#[tokio::test]
+async fn smtp_crash_after_the_server_answered_is_uncertain_not_repeated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smtp = Smtp::start(&tmp.path().join("mail"));
+    let config = format!(
+        "[queues.welcome]\nplugin = \"welcome_email\"\ngrants = {{ kv = true, email = true }}\nmax_attempts = 2\n\
+         [email]\ntransport = \"smtp\"\nfrom = \"hello@example.com\"\nhost = \"127.0.0.1\"\nport = {}\n",
+        smtp.port
+    );
+    let mut d = start_held(&config, "welcome_email", "effect::after_response").await;
+    let id = d
+        .enqueue(
+            "welcome",
+            payload(json!({"user_id": 1, "email": "a@example.com", "name": "A"})),
+        )
+        .await;
+    until("the message to arrive", &d, async || {
+        smtp.messages().len() == 1
+    })
+    .await;
+    crash_and_restart(&mut d).await;
+    d.wait_state(&id, "dead", 30).await;
+    assert_eq!(
+        fence_state(&d, "welcome:1").await.as_deref(),
+        Some("uncertain")
+    );
+    assert_eq!(smtp.messages().len(), 1, "never a second email under skip");
+}
+
+#[tokio::test]
+async fn outbox_crash_after_write_is_reconciled_by_its_file() {
+    let config =
+        "[queues.welcome]\nplugin = \"welcome_email\"\ngrants = { kv = true, email = true }\n";
+    let mut d = start_held(config, "welcome_email", "effect::after_response").await;
+    let id = d
+        .enqueue(
+            "welcome",
+            payload(json!({"user_id": 2, "email": "b@example.com", "name": "B"})),
+        )
+        .await;
+    let outbox = d.dir.path().join("data/outbox");
+    until("the .eml file", &d, async || {
+        std::fs::read_dir(&outbox)
+            .map(|r| r.count() == 1)
+            .unwrap_or(false)
+    })
+    .await;
+    crash_and_restart(&mut d).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(
+        std::fs::read_dir(&outbox).unwrap().count(),
+        1,
+        "one message"
+    );
+    assert_eq!(j["effects"][0]["outcome"], "reconciled:done", "{j}");
+}
