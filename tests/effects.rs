@@ -341,3 +341,137 @@ async fn non_idempotent_provider_never_charges_twice_under_skip() {
         uncertain.len()
     );
 }
+
+#[tokio::test]
+async fn refusals_key_reused_and_denied() {
+    // key-reused: the same user welcomed again with another message.
+    let d = start(
+        "[queues.welcome]\nplugin = \"welcome_email\"\ngrants = { kv = true, email = true }\nmax_attempts = 1\n",
+        &[("welcome_email", "welcome_email")],
+    )
+    .await;
+    let a = d
+        .enqueue(
+            "welcome",
+            payload(json!({"user_id": 3, "email": "c@example.com", "name": "Cy"})),
+        )
+        .await;
+    d.wait_state(&a, "completed", 30).await;
+    let b = d
+        .enqueue(
+            "welcome",
+            payload(json!({"user_id": 3, "email": "c@example.com", "name": "Cyrus"})),
+        )
+        .await;
+    let j = d.wait_state(&b, "dead", 30).await;
+    assert_eq!(j["effects"][0]["outcome"], "refused:key-reused", "{j}");
+
+    // denied: the queue is granted another provider than the one called.
+    let payments = Payments::start().await;
+    let config = format!(
+        "[queues.charge]\nplugin = \"charge_customer\"\ngrants = {{ http = [\"other\"] }}\nmax_attempts = 1\n\
+         [http.other]\nbase_url = \"{}\"\n",
+        payments.url()
+    );
+    let d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let id = d.enqueue("charge", order(1)).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert!(
+        j["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("not granted http provider"),
+        "{j}"
+    );
+    assert_eq!(j["effects"][0]["outcome"], "refused:denied", "{j}");
+    assert!(payments.requests().is_empty());
+}
+
+#[tokio::test]
+async fn a_500_is_recorded_and_replayed_not_resent() {
+    let payments = Payments::start_with(servers::Behaviour {
+        status: axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        ..Default::default()
+    })
+    .await;
+    let config = charge_queue(
+        &payments.url(),
+        "idempotency_header = \"Idempotency-Key\"",
+        "max_attempts = 1",
+    );
+    let d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let id = d.enqueue("charge", order(5)).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert!(j["last_error"].as_str().unwrap().contains("500"), "{j}");
+    d.cli(&["retry", &id]);
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert_eq!(j["attempts"].as_array().unwrap().len(), 2);
+    assert_eq!(j["effects"][1]["outcome"], "replayed", "{j}");
+    assert_eq!(
+        payments.requests().len(),
+        1,
+        "a received 500 is done: never sent again"
+    );
+}
+
+#[tokio::test]
+async fn connection_refused_releases_the_fence_and_retries() {
+    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    let config = charge_queue(
+        &closed,
+        "idempotency_header = \"Idempotency-Key\"",
+        "max_attempts = 3\nbackoff = { initial = \"10ms\", max = \"20ms\" }",
+    );
+    let d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let id = d.enqueue("charge", order(6)).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert_eq!(j["attempts"].as_array().unwrap().len(), 3, "retried: {j}");
+    assert!(
+        j["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|a| a["outcome"] == "retry"),
+        "{j}"
+    );
+    assert!(
+        j["effects"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["outcome"] == "refused:transient"),
+        "{j}"
+    );
+    let (_, v) = d.call("GET", "/v1/fences", None).await;
+    assert!(v["fences"].as_array().unwrap().is_empty(), "released: {v}");
+}
+
+#[tokio::test]
+async fn a_slow_answer_is_unknown_and_the_idempotent_provider_is_asked_again_with_the_same_key() {
+    let payments = Payments::start_with(servers::Behaviour {
+        first_delay: Some(std::time::Duration::from_secs(5)),
+        ..Default::default()
+    })
+    .await;
+    let config = charge_queue(
+        &payments.url(),
+        "idempotency_header = \"Idempotency-Key\"",
+        "",
+    );
+    let config = config.replace("timeout = \"2s\"", "timeout = \"1s\"");
+    let d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let id = d.enqueue("charge", order(11)).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    let seen = payments.requests();
+    assert_eq!(seen.len(), 2, "asked again after the timeout: {seen:?}");
+    assert!(
+        seen.iter()
+            .all(|r| r.idempotency_key.as_deref() == Some("order-charge-11"))
+    );
+    assert_eq!(
+        payments.charges(),
+        1,
+        "the provider deduplicated: one charge"
+    );
+    assert_eq!(j["result"]["charge"]["id"], "ch_1", "{j}");
+}

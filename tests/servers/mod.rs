@@ -28,10 +28,30 @@ pub struct Seen {
     pub body: Value,
 }
 
+/// How the payments server answers.
+#[derive(Clone, Debug)]
+pub struct Behaviour {
+    /// How long each charge takes to answer (after it is recorded).
+    pub delay: Duration,
+    /// How long the first charge takes to answer, instead of `delay`.
+    pub first_delay: Option<Duration>,
+    /// The status of every charge's answer.
+    pub status: StatusCode,
+}
+
+impl Default for Behaviour {
+    fn default() -> Behaviour {
+        Behaviour {
+            delay: Duration::ZERO,
+            first_delay: None,
+            status: StatusCode::OK,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Ledger {
-    /// How long each charge takes to answer.
-    delay: Duration,
+    behaviour: Behaviour,
     requests: Vec<Seen>,
     /// Charges by idempotency key (or by request number without one).
     charges: HashMap<String, Value>,
@@ -54,22 +74,33 @@ async fn charge(
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
-    let mut l = ledger.lock().unwrap();
-    let key = header(&headers, "idempotency-key");
-    l.requests.push(Seen {
-        idempotency_key: key.clone(),
-        fencing_token: header(&headers, "khata-fencing-token"),
-        authorization: header(&headers, "authorization"),
-        body: body.clone(),
-    });
-    let n = l.requests.len();
-    let key = key.unwrap_or_else(|| format!("request-{n}"));
-    let charge = l
-        .charges
-        .entry(key)
-        .or_insert_with(|| json!({"id": format!("ch_{n}"), "amount": body["amount"], "order_id": body["order_id"]}))
-        .clone();
-    (StatusCode::OK, Json(charge))
+    // The charge is made when the request arrives; the answer may be slow.
+    let (status, charge, delay) = {
+        let mut l = ledger.lock().unwrap();
+        let key = header(&headers, "idempotency-key");
+        l.requests.push(Seen {
+            idempotency_key: key.clone(),
+            fencing_token: header(&headers, "khata-fencing-token"),
+            authorization: header(&headers, "authorization"),
+            body: body.clone(),
+        });
+        let n = l.requests.len();
+        let key = key.unwrap_or_else(|| format!("request-{n}"));
+        let charge = l
+            .charges
+            .entry(key)
+            .or_insert_with(|| json!({"id": format!("ch_{n}"), "amount": body["amount"], "order_id": body["order_id"]}))
+            .clone();
+        let b = &l.behaviour;
+        let delay = if n == 1 {
+            b.first_delay.unwrap_or(b.delay)
+        } else {
+            b.delay
+        };
+        (b.status, charge, delay)
+    };
+    tokio::time::sleep(delay).await;
+    (status, Json(charge))
 }
 
 async fn lookup(
@@ -106,13 +137,21 @@ async fn lookup(
 
 impl Payments {
     pub async fn start() -> Payments {
-        Self::start_with_delay(Duration::ZERO).await
+        Self::start_with(Behaviour::default()).await
     }
 
     /// A server that takes `delay` to answer each charge.
     pub async fn start_with_delay(delay: Duration) -> Payments {
-        let ledger = Arc::new(Mutex::new(Ledger {
+        Self::start_with(Behaviour {
             delay,
+            ..Behaviour::default()
+        })
+        .await
+    }
+
+    pub async fn start_with(behaviour: Behaviour) -> Payments {
+        let ledger = Arc::new(Mutex::new(Ledger {
+            behaviour,
             ..Ledger::default()
         }));
         let app = Router::new()

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use super::{EffectError, Effects};
 use crate::config::OnUncertain;
 use crate::job::Millis;
-use crate::store::{EffectRecord, FenceBegin, FenceId, StoreError};
+use crate::store::{FenceBegin, FenceId, StoreError};
 
 /// Most times one call performs an effect whose outcomes stay unknown.
 const MAX_PERFORMS: u32 = 3;
@@ -123,38 +123,13 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
     }
 
     async fn record(&self, outcome: &str) {
-        metrics::counter!("khata_effects_total", "kind" => self.id.kind.clone(), "outcome" => outcome.to_owned())
-            .increment(1);
-        let record = EffectRecord {
-            attempt: self.effects.attempt,
-            kind: self.id.kind.clone(),
-            key: self.id.key.clone(),
-            outcome: outcome.to_owned(),
-            at: Millis::now(),
-        };
-        if let Err(e) = self
-            .effects
-            .store
-            .record_effect(&self.effects.lease.job_id, record)
-            .await
-        {
-            tracing::warn!(error = %e, "could not record an effect on its attempt");
-        }
+        self.effects
+            .record(&self.id.kind, &self.id.key, outcome)
+            .await;
     }
 
     async fn refuse(&self, e: EffectError) -> Result<Answer, EffectError> {
-        let reason = match &e {
-            EffectError::Denied(_) => "denied",
-            EffectError::KeyReused(_) => "key-reused",
-            EffectError::InProgress(_) => "in-progress",
-            EffectError::Fenced(_) => "fenced",
-            EffectError::Uncertain(_) => "uncertain",
-            EffectError::Transient(_) => "transient",
-            EffectError::Rejected(_) => "rejected",
-            EffectError::Invalid(_) => "invalid",
-        };
-        self.record(&format!("refused:{reason}")).await;
-        Err(e)
+        Err(self.effects.refused(&self.id.kind, &self.id.key, e).await)
     }
 
     fn name(&self) -> String {

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::{Grants, OnUncertain};
 use crate::job::{LeaseRef, Millis};
 use crate::store::sqlite::RESOLVED_BY_OPERATOR;
-use crate::store::{Store, StoreError, UpsertOutcome};
+use crate::store::{EffectRecord, Store, StoreError, UpsertOutcome};
 use email::{Mail, Mailer, SendError};
 use fenced::{Effect, Fenced, Reconciled, Tried};
 use http::{HttpError, HttpRequest, HttpResponse, Provider, Providers};
@@ -53,6 +53,22 @@ pub enum EffectError {
     Rejected(String),
     #[error("invalid: {0}")]
     Invalid(String),
+}
+
+impl EffectError {
+    /// The WIT case name: `denied`, `key-reused`, ...
+    pub fn reason(&self) -> &'static str {
+        match self {
+            EffectError::Denied(_) => "denied",
+            EffectError::KeyReused(_) => "key-reused",
+            EffectError::InProgress(_) => "in-progress",
+            EffectError::Fenced(_) => "fenced",
+            EffectError::Uncertain(_) => "uncertain",
+            EffectError::Transient(_) => "transient",
+            EffectError::Rejected(_) => "rejected",
+            EffectError::Invalid(_) => "invalid",
+        }
+    }
 }
 
 impl From<StoreError> for EffectError {
@@ -151,6 +167,30 @@ impl Effects {
     /// The flag an effect sets to dead-letter the job (see [`DeadLetter`]).
     pub fn dead_letter_flag(&self) -> DeadLetter {
         Arc::clone(&self.dead)
+    }
+
+    /// Records an external effect on the attempt (`performed`, `replayed`,
+    /// `refused:<reason>`, ...) and counts it.
+    async fn record(&self, kind: &str, key: &str, outcome: &str) {
+        metrics::counter!("khata_effects_total", "kind" => kind.to_owned(), "outcome" => outcome.to_owned())
+            .increment(1);
+        let record = EffectRecord {
+            attempt: self.attempt,
+            kind: kind.to_owned(),
+            key: key.to_owned(),
+            outcome: outcome.to_owned(),
+            at: Millis::now(),
+        };
+        if let Err(e) = self.store.record_effect(&self.lease.job_id, record).await {
+            tracing::warn!(error = %e, "could not record an effect on its attempt");
+        }
+    }
+
+    /// Records a refusal and hands the error back.
+    async fn refused(&self, kind: &str, key: &str, e: EffectError) -> EffectError {
+        self.record(kind, key, &format!("refused:{}", e.reason()))
+            .await;
+        e
     }
 
     fn dead_letter(&self, reason: String) {
@@ -277,16 +317,10 @@ impl Effects {
     /// Sends one email through the configured transport, once per key.
     /// Returns the Message-ID and whether the send was replayed.
     pub async fn email_send(&self, key: &str, mail: Mail) -> Result<(String, bool), EffectError> {
-        if !self.grants.email {
-            return Err(EffectError::Denied(format!(
-                "queue {:?} is not granted email (grants = {{ email = true }})",
-                self.queue
-            )));
-        }
-        check_key("an email key", key)?;
-        let mailer = self.scope.mailer.as_ref().map_err(|e| {
-            EffectError::Transient(format!("the email transport is not available: {e}"))
-        })?;
+        let mailer = match self.email_checks(key) {
+            Ok(m) => m,
+            Err(e) => return Err(self.refused("email", key, e).await),
+        };
         let from = mail.from.as_deref().unwrap_or(&self.scope.email_from);
         let message_id = email::message_id(&self.namespace, key, from);
         let effect = EmailEffect {
@@ -298,6 +332,19 @@ impl Effects {
         Ok((message_id, answer.replayed))
     }
 
+    fn email_checks(&self, key: &str) -> Result<&Mailer, EffectError> {
+        if !self.grants.email {
+            return Err(EffectError::Denied(format!(
+                "queue {:?} is not granted email (grants = {{ email = true }})",
+                self.queue
+            )));
+        }
+        check_key("an email key", key)?;
+        self.scope.mailer.as_deref().map_err(|e| {
+            EffectError::Transient(format!("the email transport is not available: {e}"))
+        })
+    }
+
     /// Sends one request to a named provider, once per key.
     pub async fn http_send(
         &self,
@@ -305,19 +352,10 @@ impl Effects {
         provider: &str,
         request: HttpRequest,
     ) -> Result<(HttpResponse, bool), EffectError> {
-        if !self.grants.http.iter().any(|p| p == provider) {
-            return Err(EffectError::Denied(format!(
-                "queue {:?} is not granted http provider {provider:?} (grants = {{ http = [{provider:?}] }})",
-                self.queue
-            )));
-        }
-        check_key("an http key", key)?;
-        let provider = self.scope.providers.get(provider).ok_or_else(|| {
-            EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
-        })?;
-        provider
-            .validate(&request)
-            .map_err(|e| EffectError::Invalid(e.to_string()))?;
+        let provider = match self.http_checks(key, provider, &request) {
+            Ok(p) => p,
+            Err(e) => return Err(self.refused("http", key, e).await),
+        };
         let effect = HttpEffect {
             provider,
             key,
@@ -338,6 +376,30 @@ impl Effects {
             })?
         };
         Ok((response, answer.replayed))
+    }
+}
+
+impl Effects {
+    fn http_checks(
+        &self,
+        key: &str,
+        provider: &str,
+        request: &HttpRequest,
+    ) -> Result<&Provider, EffectError> {
+        if !self.grants.http.iter().any(|p| p == provider) {
+            return Err(EffectError::Denied(format!(
+                "queue {:?} is not granted http provider {provider:?} (grants = {{ http = [{provider:?}] }})",
+                self.queue
+            )));
+        }
+        check_key("an http key", key)?;
+        let provider = self.scope.providers.get(provider).ok_or_else(|| {
+            EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
+        })?;
+        provider
+            .validate(request)
+            .map_err(|e| EffectError::Invalid(e.to_string()))?;
+        Ok(provider)
     }
 }
 
