@@ -475,3 +475,37 @@ async fn a_slow_answer_is_unknown_and_the_idempotent_provider_is_asked_again_wit
     );
     assert_eq!(j["result"]["charge"]["id"], "ch_1", "{j}");
 }
+
+#[tokio::test]
+async fn a_fence_held_by_a_running_attempt_is_in_progress_for_another_job() {
+    let payments = Payments::start_with(servers::Behaviour {
+        first_delay: Some(std::time::Duration::from_millis(1500)),
+        ..Default::default()
+    })
+    .await;
+    let config = charge_queue(
+        &payments.url(),
+        "idempotency_header = \"Idempotency-Key\"",
+        "concurrency = 2\nbackoff = { initial = \"100ms\", max = \"200ms\" }",
+    );
+    let config = config.replace("timeout = \"2s\"", "timeout = \"5s\"");
+    let d = start(&config, &[("charge_customer", "charge_customer")]).await;
+    let first = d.enqueue("charge", order(12)).await;
+    d.wait_state(&first, "active", 30).await;
+    let second = d.enqueue("charge", order(12)).await;
+    let j = d.wait_state(&second, "completed", 30).await;
+    let outcomes: Vec<_> = j["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["outcome"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        outcomes.first().map(String::as_str),
+        Some("refused:in-progress"),
+        "{j}"
+    );
+    assert_eq!(outcomes.last().map(String::as_str), Some("replayed"), "{j}");
+    d.wait_state(&first, "completed", 30).await;
+    assert_eq!(payments.requests().len(), 1);
+}
