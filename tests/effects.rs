@@ -509,3 +509,112 @@ async fn a_fence_held_by_a_running_attempt_is_in_progress_for_another_job() {
     d.wait_state(&first, "completed", 30).await;
     assert_eq!(payments.requests().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn welcome_emails_through_three_kill_nine_at_most_one_per_user() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smtp = Smtp::start_with_delay(
+        &tmp.path().join("mail"),
+        std::time::Duration::from_millis(10),
+    );
+    let config = format!(
+        "[queues.welcome]\nplugin = \"welcome_email\"\ngrants = {{ kv = true, email = true }}\nconcurrency = 16\n\
+         max_attempts = 20\nbackoff = {{ initial = \"10ms\", max = \"50ms\" }}\n\
+         [email]\ntransport = \"smtp\"\nfrom = \"hello@example.com\"\nhost = \"127.0.0.1\"\nport = {}\n",
+        smtp.port
+    );
+    let mut d = start(&config, &[("welcome_email", "welcome_email")]).await;
+    let users = 500u64;
+    let jobs: Vec<_> = (0..users)
+        .map(|u| json!({"id": format!("welcome-{u}"), "payload": {"user_id": u, "email": format!("u{u}@example.com"), "name": format!("U{u}")}}))
+        .collect();
+    let (status, v) = d
+        .call(
+            "POST",
+            "/v1/queues/welcome/jobs/batch",
+            Some(json!({"jobs": jobs})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    for _ in 0..3 {
+        tokio::time::sleep(std::time::Duration::from_millis(jitter_ms(200, 700))).await;
+        d.kill9();
+        d.start().await;
+    }
+    let wait_ended = async |d: &Daemon| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+        loop {
+            let c = &d.queue("welcome").await["counts"];
+            if c["completed"].as_u64().unwrap() + c["dead"].as_u64().unwrap() == users {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "jobs did not end: {c}\n{}",
+                d.log()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    };
+    wait_ended(&d).await;
+    let per_user = |smtp: &Smtp| {
+        let mut n = vec![0usize; users as usize];
+        for m in smtp.messages() {
+            let u: usize = m
+                .split("To: u")
+                .nth(1)
+                .and_then(|r| r.split('@').next())
+                .and_then(|x| x.parse().ok())
+                .expect("a To header");
+            n[u] += 1;
+        }
+        n
+    };
+    let sent = per_user(&smtp);
+    assert!(sent.iter().all(|n| *n <= 1), "a user got two emails");
+    let (_, v) = d
+        .call("GET", "/v1/fences?state=uncertain&limit=1000", None)
+        .await;
+    let uncertain = v["fences"].as_array().unwrap().clone();
+    for u in 0..users {
+        let j = d.job(&format!("welcome-{u}")).await;
+        if j["state"] == "completed" {
+            assert_eq!(
+                sent[u as usize], 1,
+                "user {u} completed without an email: {j}"
+            );
+        } else {
+            assert!(
+                uncertain.iter().any(|f| f["key"] == format!("welcome:{u}")),
+                "user {u} is dead but not uncertain: {j}"
+            );
+        }
+    }
+    // The operator checks the mail server for each uncertain message and
+    // resolves accordingly; then retries the dead jobs.
+    let messages = smtp.messages().join("\n");
+    for f in &uncertain {
+        let key = f["key"].as_str().unwrap();
+        let user: u64 = key.trim_start_matches("welcome:").parse().unwrap();
+        let delivered = sent[user as usize] == 1;
+        let outcome = if delivered { "done" } else { "not-done" };
+        let (status, v) = d
+            .call("POST", "/v1/fences/resolve", Some(json!({"namespace": "welcome", "kind": "email", "key": key, "outcome": outcome})))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        d.call("POST", &format!("/v1/jobs/welcome-{user}/retry"), None)
+            .await;
+    }
+    assert!(!messages.is_empty());
+    wait_ended(&d).await;
+    let sent = per_user(&smtp);
+    for u in 0..users {
+        let j = d.job(&format!("welcome-{u}")).await;
+        assert_eq!(j["state"], "completed", "{j}");
+        assert_eq!(sent[u as usize], 1, "user {u} has exactly one email");
+    }
+    eprintln!(
+        "{} uncertain after three kill -9; resolved by looking at the mail server",
+        uncertain.len()
+    );
+}

@@ -220,13 +220,15 @@ pub struct Smtp {
 }
 
 const SMTP_SINK: &str = r#"
-import sys, time, pathlib, uuid
+import asyncio, sys, time, pathlib, uuid
 from aiosmtpd.controller import Controller
+DELAY = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 class Save:
     async def handle_DATA(self, server, session, envelope):
         out = pathlib.Path(sys.argv[2])
         name = out / (uuid.uuid4().hex + ".eml")
         name.write_bytes(envelope.original_content or envelope.content)
+        await asyncio.sleep(DELAY)
         return "250 OK"
 c = Controller(Save(), hostname="127.0.0.1", port=int(sys.argv[1]))
 c.start()
@@ -238,11 +240,17 @@ while True:
 impl Smtp {
     /// Starts the server; panics with a clear message when aiosmtpd is missing.
     pub fn start(dir: &Path) -> Smtp {
+        Self::start_with_delay(dir, Duration::ZERO)
+    }
+
+    /// A server that takes `delay` to answer each message after keeping it.
+    pub fn start_with_delay(dir: &Path, delay: Duration) -> Smtp {
         let port = crate::support::free_port();
         std::fs::create_dir_all(dir).unwrap();
         let mut child = Command::new("python3")
             .args(["-c", SMTP_SINK, &port.to_string()])
             .arg(dir)
+            .arg(delay.as_secs_f64().to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
