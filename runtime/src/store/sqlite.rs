@@ -1002,6 +1002,15 @@ fn owned_or_abandoned(
     Ok(f)
 }
 
+/// Loads a `started` fence that `lease` itself holds (nobody took it over).
+fn held_by(conn: &Connection, lease: &LeaseRef, id: &FenceId) -> Result<Fence, StoreError> {
+    let f = owned_or_abandoned(conn, lease, id)?;
+    if f.token != lease.token {
+        return Err(invalid_fence(id, "another attempt took it over"));
+    }
+    Ok(f)
+}
+
 fn set_fence(
     conn: &Connection,
     id: &FenceId,
@@ -1456,10 +1465,7 @@ impl Store for SqliteStore {
     ) -> Result<(), StoreError> {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |w| {
-            let f = owned_or_abandoned(&w.conn, &lease, &id)?;
-            if f.token != lease.token {
-                return Err(invalid_fence(&id, "another attempt took it over"));
-            }
+            held_by(&w.conn, &lease, &id)?;
             set_fence(
                 &w.conn,
                 &id,
@@ -1476,10 +1482,7 @@ impl Store for SqliteStore {
     async fn fence_release(&self, lease: &LeaseRef, id: &FenceId) -> Result<(), StoreError> {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |w| {
-            let f = owned_or_abandoned(&w.conn, &lease, &id)?;
-            if f.token != lease.token {
-                return Err(invalid_fence(&id, "another attempt took it over"));
-            }
+            held_by(&w.conn, &lease, &id)?;
             delete_fence(&w.conn, &id)
         })
         .await
