@@ -5,7 +5,7 @@ mod servers;
 mod support;
 
 use serde_json::json;
-use servers::{Payments, Smtp};
+use servers::{Payments, Push, Smtp};
 use support::{Daemon, payload};
 
 fn charge_queue(base_url: &str, extra_provider: &str, queue_extra: &str) -> String {
@@ -24,7 +24,7 @@ async fn start(config: &str, plugins: &[(&str, &str)]) -> Daemon {
     let mut d = Daemon::prepare(config, plugins);
     d.env("KHATA_TEST_PAYMENTS_TOKEN", "sk_test_42");
     d.start().await;
-    for q in ["charge", "welcome"] {
+    for q in ["charge", "welcome", "report", "notify"] {
         if config.contains(&format!("[queues.{q}]")) {
             d.wait_plugin(q).await;
         }
@@ -185,6 +185,174 @@ async fn welcome_email_is_sent_once_through_the_outbox() {
         mail.contains("ada@example.com")
             && mail.contains(ja["result"]["message_id"].as_str().unwrap())
     );
+}
+
+/// The `.eml` files of the daemon's outbox.
+#[cfg(feature = "failpoints")]
+fn outbox(d: &Daemon) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(d.dir.path().join("data/outbox"))
+        .map(|entries| {
+            entries
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.extension().is_some_and(|e| e == "eml"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(feature = "failpoints")]
+const REPORT_QUEUE: &str = "[queues.report]\nplugin = \"generate_report\"\ngrants = { kv = true, email = true }\n\
+     [email]\ntransport = \"outbox\"\nfrom = \"reports@example.com\"\n";
+
+/// generate_report's key is the job's (`<job-id>:report`): a job that runs
+/// twice mails once and replays; the same payload under the same job id is
+/// one job; under another job id it is another report, mailed again. A job
+/// runs twice here because the daemon is killed after the mail, before the
+/// job's completion is recorded.
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn generate_report_mails_once_per_job_and_a_rerun_replays() {
+    let mut d = Daemon::prepare(REPORT_QUEUE, &[("generate_report", "generate_report")]);
+    d.env("FAILPOINTS", "queue::before_finish=1*return(60000)");
+    d.start().await;
+    d.wait_plugin("report").await;
+    let report = json!({"report_id": "r-7", "period": "2025-01", "to": "ops@example.com"});
+    let job = json!({"id": "report-r-7", "payload": report});
+
+    let id = d.enqueue("report", job.clone()).await;
+    // Held after the mail, before the job's completion: kill -9 there.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (_, v) = d.call("GET", "/v1/fences", None).await;
+        let done = v["fences"].as_array().unwrap().iter().any(|f| {
+            f["key"] == "report-r-7:report" && f["kind"] == "email" && f["state"] == "done"
+        });
+        if done {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no mail\n{}", d.log());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    d.kill9();
+    d.unset_env("FAILPOINTS");
+    d.start().await;
+
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(j["result"]["report_id"], "r-7", "{j}");
+    assert_eq!(j["result"]["replayed"], true, "the rerun replays: {j}");
+    let outcomes: Vec<_> = j["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["attempt"].clone(), e["key"].clone(), e["outcome"].clone()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (json!(1), json!("report-r-7:report"), json!("performed")),
+            (json!(2), json!("report-r-7:report"), json!("replayed"))
+        ]
+    );
+    let mails = outbox(&d);
+    assert_eq!(mails.len(), 1, "one mail for two runs: {mails:?}");
+    let mail = std::fs::read_to_string(&mails[0]).unwrap();
+    assert!(mail.contains("To: ops@example.com"), "{mail}");
+    assert!(mail.contains("Subject: Report r-7: 2025-01"), "{mail}");
+    assert!(mail.contains("Covers: 2025-01-01 to 2025-01-31"), "{mail}");
+    assert!(mail.contains(j["result"]["message_id"].as_str().unwrap()));
+
+    // The same id again is the same job: nothing runs, nothing is mailed.
+    let (status, v) = d.call("POST", "/v1/queues/report/jobs", Some(job)).await;
+    assert_eq!((status, &v["deduplicated"]), (200, &json!(true)), "{v}");
+    // Another job for the same report is another job's key: mailed again.
+    let other = d.enqueue("report", payload(report)).await;
+    let jo = d.wait_state(&other, "completed", 30).await;
+    assert_eq!(jo["result"]["replayed"], false, "{jo}");
+    assert_ne!(jo["result"]["message_id"], j["result"]["message_id"]);
+    assert_eq!(outbox(&d).len(), 2);
+}
+
+fn notify_queue(base_url: &str, queue_extra: &str) -> String {
+    format!(
+        "[queues.notify]\nplugin = \"send_notification\"\ngrants = {{ http = [\"push\"], kv = true }}\n{queue_extra}\n\
+         [http.push]\nbase_url = \"{base_url}\"\ntimeout = \"2s\"\n"
+    )
+}
+
+fn notification() -> serde_json::Value {
+    payload(json!({"user_id": 7, "message_id": "m-1", "text": "Your order shipped"}))
+}
+
+#[tokio::test]
+async fn send_notification_pushes_once_per_message_and_is_replayed() {
+    let push = Push::start().await;
+    let d = start(
+        &notify_queue(&push.url(), ""),
+        &[("send_notification", "send_notification")],
+    )
+    .await;
+
+    let first = d.enqueue("notify", notification()).await;
+    let j1 = d.wait_state(&first, "completed", 30).await;
+    let second = d.enqueue("notify", notification()).await;
+    let j2 = d.wait_state(&second, "completed", 30).await;
+    assert_ne!(first, second, "two jobs");
+    assert_eq!(
+        j1["result"],
+        json!({"user_id": 7, "message_id": "m-1", "status": 200, "replayed": false})
+    );
+    assert_eq!(j2["result"]["replayed"], true, "{j2}");
+    assert_eq!(j2["result"]["status"], 200, "{j2}");
+    assert_eq!(j1["effects"][0]["outcome"], "performed", "{j1}");
+    assert_eq!(j2["effects"][0]["outcome"], "replayed", "{j2}");
+    assert_eq!(j2["effects"][0]["key"], "notify:m-1");
+
+    let seen = push.requests();
+    assert_eq!(seen.len(), 1, "one push reached the provider: {seen:?}");
+    assert_eq!(
+        seen[0].body,
+        json!({"user_id": 7, "text": "Your order shipped"})
+    );
+    assert_eq!(
+        seen[0].idempotency_key, None,
+        "push has no idempotency header"
+    );
+    assert!(seen[0].fencing_token.is_some());
+}
+
+#[tokio::test]
+async fn send_notification_uncertain_fails_until_an_operator_resolves_it() {
+    let (addr, hits) = servers::black_hole().await;
+    let d = start(
+        &notify_queue(&format!("http://{addr}"), "on_uncertain = \"skip\""),
+        &[("send_notification", "send_notification")],
+    )
+    .await;
+    let id = d.enqueue("notify", notification()).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert_eq!(
+        j["attempts"].as_array().unwrap().len(),
+        1,
+        "dead at once: {j}"
+    );
+    assert!(
+        j["last_error"].as_str().unwrap().contains("uncertain"),
+        "{j}"
+    );
+    assert_eq!(*hits.lock().unwrap(), 1, "sent once, never repeated");
+
+    // The operator learns from the provider that it was delivered.
+    let out = d.cli(&["fence", "resolve", "notify", "http", "notify:m-1", "done"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.cli(&["retry", &id]);
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(j["result"]["status"], 204, "{j}");
+    assert_eq!(j["result"]["replayed"], true, "{j}");
+    assert_eq!(*hits.lock().unwrap(), 1);
 }
 
 #[tokio::test]

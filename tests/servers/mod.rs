@@ -1,7 +1,8 @@
 //! Real servers on 127.0.0.1 for the effects tests: a payments API that
-//! deduplicates by idempotency key (as Stripe does), a server that takes a
-//! request and drops the connection without answering, and an SMTP server
-//! (aiosmtpd, from PyPI) that saves every message it receives.
+//! deduplicates by idempotency key (as Stripe does), a push API that does not
+//! (every request is one more notification), a server that takes a request
+//! and drops the connection without answering, and an SMTP server (aiosmtpd,
+//! from PyPI) that saves every message it receives.
 
 #![allow(dead_code)]
 
@@ -19,7 +20,7 @@ use axum::{Json, Router};
 use serde_json::{Value, json};
 use tokio::io::AsyncReadExt;
 
-/// One request the payments server received.
+/// One request the payments or push server received.
 #[derive(Clone, Debug)]
 pub struct Seen {
     pub idempotency_key: Option<String>,
@@ -182,6 +183,51 @@ impl Payments {
     /// Charges created (distinct idempotency keys).
     pub fn charges(&self) -> usize {
         self.ledger.lock().unwrap().charges.len()
+    }
+}
+
+/// A push API: `POST /v1/push` delivers a notification on every request,
+/// however often the same one comes (it does not deduplicate), and answers
+/// 200 `{"delivered": true}`.
+#[derive(Clone)]
+pub struct Push {
+    pub addr: SocketAddr,
+    requests: Arc<Mutex<Vec<Seen>>>,
+}
+
+async fn push(
+    State(requests): State<Arc<Mutex<Vec<Seen>>>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Json<Value> {
+    requests.lock().unwrap().push(Seen {
+        idempotency_key: header(&headers, "idempotency-key"),
+        fencing_token: header(&headers, "khata-fencing-token"),
+        authorization: header(&headers, "authorization"),
+        body,
+    });
+    Json(json!({"delivered": true}))
+}
+
+impl Push {
+    pub async fn start() -> Push {
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let app = Router::new()
+            .route("/v1/push", post(push))
+            .with_state(Arc::clone(&requests));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Push { addr, requests }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every `POST /v1/push` received, in order: one notification each.
+    pub fn requests(&self) -> Vec<Seen> {
+        self.requests.lock().unwrap().clone()
     }
 }
 
