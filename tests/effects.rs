@@ -654,7 +654,9 @@ async fn a_fence_held_by_a_running_attempt_is_in_progress_for_another_job() {
     let config = charge_queue(
         &payments.url(),
         "idempotency_header = \"Idempotency-Key\"",
-        "concurrency = 2\nbackoff = { initial = \"100ms\", max = \"200ms\" }",
+        // The second job retries while the first holds the fence (1.5 s):
+        // a budget of 100 attempts at most 200 ms apart outlasts it.
+        "concurrency = 2\nmax_attempts = 100\nbackoff = { initial = \"100ms\", max = \"200ms\" }",
     );
     let config = config.replace("timeout = \"2s\"", "timeout = \"5s\"");
     let d = start(&config, &[("charge_customer", "charge_customer")]).await;
