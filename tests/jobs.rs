@@ -182,6 +182,92 @@ async fn retry_backoff_fail_and_budget() {
     assert_eq!(j["attempts"][5]["number"], 6);
 }
 
+#[cfg(feature = "failpoints")]
+fn time(v: &serde_json::Value) -> std::time::SystemTime {
+    humantime::parse_rfc3339(v.as_str().expect("a time")).expect("RFC 3339")
+}
+
+/// The gap between an attempt's end and the job's next run, to the second.
+#[cfg(feature = "failpoints")]
+fn backoff_after(j: &serde_json::Value, attempt: usize) -> u64 {
+    let ended = time(&j["attempts"][attempt]["ended_at"]);
+    let next = time(&j["run_at"]);
+    next.duration_since(ended)
+        .expect("run_at after the end")
+        .as_secs()
+}
+
+/// Backoff against the daemon's clock, moved forward by the test instead of
+/// waited for (`POST /v1/test/clock`, built with the `failpoints` feature).
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn backoff_grows_on_the_daemons_clock() {
+    let config = r#"
+[queues.chaos]
+plugin = "chaos"
+max_attempts = 5
+backoff = { initial = "1h", max = "3h", multiplier = 2.0, jitter = 0.0 }
+grants = { kv = true }
+"#;
+    let d = Daemon::start_new(config, &[("chaos", "chaos")]).await;
+    d.wait_plugin("chaos").await;
+    let id = d
+        .enqueue("chaos", payload(json!({"do": "retry_until", "n": 4})))
+        .await;
+    let j = d.wait_state(&id, "delayed", 30).await;
+    assert_eq!(backoff_after(&j, 0), 3600, "initial: {j}");
+
+    // Not run early: nothing happens while the clock stands still.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let j = d.job(&id).await;
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_array().unwrap().len()),
+        (Some("delayed"), 1)
+    );
+
+    let advance = |by: &'static str| {
+        let d = &d;
+        async move {
+            let (status, v) = d
+                .call("POST", "/v1/test/clock", Some(json!({"advance": by})))
+                .await;
+            assert_eq!(status, 200, "{v}");
+        }
+    };
+    advance("1h").await;
+    let j = wait_attempts(&d, &id, 2).await;
+    assert_eq!(j["state"], "delayed");
+    assert_eq!(backoff_after(&j, 1), 7200, "initial x multiplier: {j}");
+    advance("2h").await;
+    let j = wait_attempts(&d, &id, 3).await;
+    assert_eq!(backoff_after(&j, 2), 3 * 3600, "capped at max: {j}");
+    advance("3h").await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(j["result"], json!({"attempt": 4}));
+}
+
+#[cfg(feature = "failpoints")]
+async fn wait_attempts(d: &Daemon, id: &str, n: usize) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let j = d.job(id).await;
+        let ended = j["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| !a["ended_at"].is_null())
+            .count();
+        if ended >= n && j["state"] != "active" {
+            return j;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "attempt {n} of {id} did not end: {j}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn trap_timeout_and_memory_each_cost_one_attempt() {
     let d = Daemon::start_new(CHAOS, &[("chaos", "chaos")]).await;

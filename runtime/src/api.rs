@@ -109,7 +109,10 @@ pub fn router(state: AppState) -> Router {
         .unwrap_or(1 << 20)
         .saturating_mul(2)
         .max(64 << 20);
-    let api = Router::new()
+    let api = Router::new();
+    #[cfg(feature = "failpoints")]
+    let api = api.route("/v1/test/clock", post(advance_clock));
+    let api = api
         .route("/v1/queues", get(list_queues))
         .route("/v1/queues/{queue}/jobs", post(enqueue))
         .route("/v1/queues/{queue}/jobs/batch", post(enqueue_batch))
@@ -190,6 +193,22 @@ fn parse_body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
 fn parse_duration(field: &str, s: &str) -> ApiResult<Duration> {
     humantime::parse_duration(s)
         .map_err(|e| ApiError::bad_request(format!("{field}: invalid duration {s:?}: {e}")))
+}
+
+#[cfg(feature = "failpoints")]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdvanceBody {
+    advance: String,
+}
+
+/// Test builds only: moves the daemon's clock forward, e.g. past a backoff.
+#[cfg(feature = "failpoints")]
+async fn advance_clock(State(state): State<AppState>, body: Bytes) -> ApiResult<Json<Value>> {
+    let body: AdvanceBody = parse_body(&body)?;
+    let by = parse_duration("advance", &body.advance)?;
+    state.queues.advance_clock(by);
+    Ok(Json(json!({"now": state.queues.now().rfc3339()})))
 }
 
 /// Checks one enqueue body against its queue and turns it into a `NewJob`.

@@ -21,7 +21,7 @@ use crate::effects::email::Mailer;
 use crate::effects::http::Providers;
 use crate::host::{Capability, Host, Plugin, PoolSize};
 use crate::job::Millis;
-use crate::queue::{Outside, Queues, Stop, SystemClock};
+use crate::queue::{Clock, Outside, Queues, Stop};
 use crate::store::Store;
 use crate::store::sqlite::SqliteStore;
 
@@ -194,7 +194,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let queues = Arc::new(Queues::new(
         Arc::clone(&store),
         Arc::clone(&host),
-        Arc::new(SystemClock),
+        clock(),
         config.queues.values().cloned(),
         &outside(&config)?,
     ));
@@ -358,4 +358,13 @@ impl PluginWatcher {
             self.seen.insert(path, stamp);
         }
     }
+}
+
+/// The system clock; in `failpoints` builds one that tests can move forward
+/// (`POST /v1/test/clock`).
+fn clock() -> Arc<dyn Clock> {
+    #[cfg(feature = "failpoints")]
+    return Arc::new(crate::queue::MovableClock::default());
+    #[cfg(not(feature = "failpoints"))]
+    Arc::new(crate::queue::SystemClock)
 }

@@ -40,6 +40,12 @@ const LOG_BUDGET: usize = 64 * 1024;
 /// The source of time for the queue.
 pub trait Clock: Send + Sync + 'static {
     fn now(&self) -> Millis;
+
+    /// Moves the clock forward; false for a clock that cannot be moved.
+    fn advance(&self, by: Duration) -> bool {
+        let _ = by;
+        false
+    }
 }
 
 /// The system's wall clock.
@@ -49,6 +55,28 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> Millis {
         Millis::from(SystemTime::now())
+    }
+}
+
+/// The wall clock plus an offset that only moves forward: the daemon's clock
+/// in builds with the `failpoints` feature, so that tests can let a backoff
+/// or a delay elapse without waiting for it.
+#[derive(Debug, Default)]
+pub struct MovableClock {
+    offset_ms: AtomicU64,
+}
+
+impl Clock for MovableClock {
+    fn now(&self) -> Millis {
+        SystemClock.now().plus(Duration::from_millis(
+            self.offset_ms.load(Ordering::Relaxed),
+        ))
+    }
+
+    fn advance(&self, by: Duration) -> bool {
+        let ms = u64::try_from(by.as_millis()).unwrap_or(u64::MAX);
+        self.offset_ms.fetch_add(ms, Ordering::Relaxed);
+        true
     }
 }
 
@@ -182,6 +210,18 @@ impl Queues {
 
     pub fn now(&self) -> Millis {
         self.clock.now()
+    }
+
+    /// Moves the queues' clock forward and wakes every dispatcher; false
+    /// when the clock is the system's.
+    pub fn advance_clock(&self, by: Duration) -> bool {
+        if !self.clock.advance(by) {
+            return false;
+        }
+        for q in self.queues.values() {
+            q.wake.notify_one();
+        }
+        true
     }
 
     pub fn completed(&self) -> u64 {

@@ -28,8 +28,8 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
-    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, StoreLimits,
-    StoreLimitsBuilder, Trap,
+    Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store,
+    StoreLimits, StoreLimitsBuilder, Trap,
 };
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
@@ -190,7 +190,14 @@ impl Host {
             .max_memories_per_component(8)
             .max_tables_per_component(8)
             .max_core_instances_per_component(32)
-            .max_memory_size(usize::try_from(pool.max_memory).unwrap_or(usize::MAX));
+            .max_memory_size(usize::try_from(pool.max_memory).unwrap_or(usize::MAX))
+            // Reusing a slot resets its memory; keeping the first MiB resident
+            // (zeroed with memset instead of madvise) and letting the kernel
+            // report which pages were touched makes that reset cost
+            // proportional to what the last attempt dirtied.
+            .linear_memory_keep_resident(1 << 20)
+            .table_keep_resident(1 << 16)
+            .pagemap_scan(Enabled::Auto);
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
         let engine = Engine::new(&config)?;
 

@@ -643,6 +643,13 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
         "dead jobs stay until removed"
     );
     assert!(s.job("fresh", now).await.unwrap().is_some());
+    let counts = s.counts(now).await.unwrap();
+    let q = &counts.iter().find(|(q, _)| q == "q").unwrap().1;
+    assert_eq!(
+        (q.completed, q.dead, q.waiting),
+        (1, 1, 0),
+        "a swept job leaves the counts"
+    );
 }
 
 pub async fn counts_and_pages(s: Arc<dyn Store>) {
@@ -654,7 +661,7 @@ pub async fn counts_and_pages(s: Arc<dyn Store>) {
             new_job("a", "2"),
             new_job("a", "3"),
             delayed,
-            new_job("b", "1"),
+            with_id(new_job("b", "1"), "b-1"),
         ],
         T0,
     )
@@ -667,6 +674,14 @@ pub async fn counts_and_pages(s: Arc<dyn Store>) {
     assert_eq!((a.waiting, a.delayed, a.completed, a.active), (2, 1, 1, 0));
     let b = &counts.iter().find(|(q, _)| q == "b").unwrap().1;
     assert_eq!(b.waiting, 1);
+    let active = lease1(&*s, "a", T0).await;
+    s.cancel("b-1", T0).await.unwrap();
+    let counts = s.counts(T0).await.unwrap();
+    let a = &counts.iter().find(|(q, _)| q == "a").unwrap().1;
+    assert_eq!((a.waiting, a.active), (1, 1), "{a:?}");
+    let b = &counts.iter().find(|(q, _)| q == "b").unwrap().1;
+    assert_eq!((b.waiting, b.cancelled), (0, 1), "{b:?}");
+    complete(&*s, &active, T0).await;
 
     let mut seen = Vec::new();
     let mut cursor = None;

@@ -36,10 +36,11 @@ const MAX_GROUP: usize = 1024;
 /// Reader connections kept open.
 const READERS: usize = 4;
 
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value INTEGER NOT NULL
@@ -140,7 +141,31 @@ CREATE TABLE effects (
     at        INTEGER NOT NULL,
     PRIMARY KEY (job_id, attempt, n)
 ) WITHOUT ROWID;
-"#];
+"#,
+    r#"
+-- Jobs per queue and stored state, kept by triggers in the transaction that
+-- changes the job, so that counting never scans the jobs.
+CREATE TABLE job_counts (
+    queue TEXT NOT NULL,
+    state TEXT NOT NULL,
+    n     INTEGER NOT NULL,
+    PRIMARY KEY (queue, state)
+) WITHOUT ROWID;
+INSERT INTO job_counts (queue, state, n) SELECT queue, state, COUNT(*) FROM jobs GROUP BY queue, state;
+CREATE TRIGGER job_counts_insert AFTER INSERT ON jobs BEGIN
+    INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
+        ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER job_counts_delete AFTER DELETE ON jobs BEGIN
+    UPDATE job_counts SET n = n - 1 WHERE queue = old.queue AND state = old.state;
+END;
+CREATE TRIGGER job_counts_update AFTER UPDATE OF state ON jobs WHEN old.state <> new.state BEGIN
+    UPDATE job_counts SET n = n - 1 WHERE queue = old.queue AND state = old.state;
+    INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
+        ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
+END;
+"#,
+];
 
 /// A step for the writer: runs inside the group's transaction and returns
 /// the answer to send once its durability requirement is met.
@@ -1225,13 +1250,22 @@ impl Store for SqliteStore {
 
     async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError> {
         self.read(move |c| {
+            // The stored states come from the counters; `delayed` (waiting
+            // with run_at in the future) is counted on the jobs_due index,
+            // which costs what is delayed, not what is stored.
             let mut stmt = c.prepare_cached(
-                "SELECT queue, CASE WHEN state = 'waiting' AND run_at > ?1 THEN 'delayed' ELSE state END AS s, \
-                 COUNT(*) FROM jobs GROUP BY queue, s ORDER BY queue",
+                "SELECT queue, state, n FROM job_counts WHERE n > 0 ORDER BY queue",
+            )?;
+            let mut delayed = c.prepare_cached(
+                "SELECT COUNT(*) FROM jobs WHERE queue = ?1 AND state = 'waiting' AND run_at > ?2",
             )?;
             let mut out: Vec<(String, StateCounts)> = Vec::new();
-            let rows = stmt.query_map([now.0], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
             })?;
             for row in rows {
                 let (queue, state, n) = row?;
@@ -1241,6 +1275,15 @@ impl Store for SqliteStore {
                 if let Some((_, counts)) = out.last_mut() {
                     counts.add(stored_state(&state), u64::try_from(n).unwrap_or(0));
                 }
+            }
+            for (queue, counts) in &mut out {
+                if counts.waiting == 0 {
+                    continue;
+                }
+                let n: i64 = delayed.query_row(params![queue.as_str(), now.0], |r| r.get(0))?;
+                let n = u64::try_from(n).unwrap_or(0).min(counts.waiting);
+                counts.waiting -= n;
+                counts.delayed += n;
             }
             Ok(out)
         })
@@ -1611,5 +1654,30 @@ mod tests {
                 .to_string()
                 .contains("another khata daemon")
         );
+    }
+
+    #[tokio::test]
+    async fn migrating_a_version_one_ledger_counts_its_jobs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let conn = rusqlite::Connection::open(dir.path().join("khata.db")).unwrap();
+            conn.execute_batch(super::MIGRATIONS[0]).unwrap();
+            conn.pragma_update(None, "user_version", 1).unwrap();
+            for (i, state) in ["waiting", "waiting", "completed", "dead"]
+                .iter()
+                .enumerate()
+            {
+                conn.execute(
+                    "INSERT INTO jobs (id, queue, state, payload, priority, run_at, seq, max_attempts, enqueued_at) \
+                     VALUES (?1, 'q', ?2, '{}', 0, 0, ?1, 3, 0)",
+                    rusqlite::params![i64::try_from(i).unwrap(), state],
+                )
+                .unwrap();
+            }
+        }
+        let store = SqliteStore::open(dir.path()).expect("open");
+        let counts = store.counts(crate::job::Millis(1)).await.unwrap();
+        let q = &counts[0].1;
+        assert_eq!((q.waiting, q.completed, q.dead), (2, 1, 1), "{q:?}");
     }
 }
