@@ -17,6 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::job::{Attempt, Enqueued, Job, JobState, Millis, NewJob, canonical_json};
@@ -289,18 +290,30 @@ fn new_job(
     })
 }
 
-fn enqueued_json(e: &Enqueued) -> Value {
-    json!({"job": job_json(&e.job), "deduplicated": e.deduplicated})
+/// One result of an enqueue (DESIGN 6.2).
+#[derive(Serialize)]
+struct EnqueuedView<'a> {
+    job: JobView<'a>,
+    deduplicated: bool,
+}
+
+fn enqueued_view(e: &Enqueued) -> EnqueuedView<'_> {
+    EnqueuedView {
+        job: JobView::new(&e.job),
+        deduplicated: e.deduplicated,
+    }
 }
 
 fn record_enqueue(queue: &str, results: &[Enqueued]) {
-    for r in results {
-        let name = if r.deduplicated {
-            "khata_jobs_deduplicated_total"
-        } else {
-            "khata_jobs_enqueued_total"
-        };
-        metrics::counter!(name, "queue" => queue.to_owned()).increment(1);
+    let deduplicated = results.iter().filter(|r| r.deduplicated).count() as u64;
+    let enqueued = results.len() as u64 - deduplicated;
+    for (name, n) in [
+        ("khata_jobs_enqueued_total", enqueued),
+        ("khata_jobs_deduplicated_total", deduplicated),
+    ] {
+        if n > 0 {
+            metrics::counter!(name, "queue" => queue.to_owned()).increment(n);
+        }
     }
 }
 
@@ -321,14 +334,14 @@ async fn enqueue(
     } else {
         StatusCode::CREATED
     };
-    Ok((status, Json(enqueued_json(&result))).into_response())
+    Ok((status, Json(enqueued_view(&result))).into_response())
 }
 
 async fn enqueue_batch(
     State(state): State<AppState>,
     Path(queue): Path<String>,
     body: Bytes,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     let body: BatchBody = parse_body(&body)?;
     if body.jobs.is_empty() || body.jobs.len() > MAX_BATCH {
         return Err(ApiError::bad_request(format!(
@@ -353,9 +366,14 @@ async fn enqueue_batch(
     })?;
     record_enqueue(&queue, &results);
     state.queues.wake(&queue);
-    Ok(Json(
-        json!({"results": results.iter().map(enqueued_json).collect::<Vec<_>>()}),
-    ))
+    #[derive(Serialize)]
+    struct Results<'a> {
+        results: Vec<EnqueuedView<'a>>,
+    }
+    Ok(Json(Results {
+        results: results.iter().map(enqueued_view).collect(),
+    })
+    .into_response())
 }
 
 fn time(t: Millis) -> Value {
@@ -373,30 +391,58 @@ fn attempt_json(a: &Attempt) -> Value {
     })
 }
 
-/// The job object of DESIGN 6.2.
-pub fn job_json(j: &Job) -> Value {
-    let parse =
-        |s: &str| serde_json::from_str::<Value>(s).unwrap_or_else(|_| Value::String(s.to_owned()));
-    json!({
-        "id": j.id,
-        "queue": j.queue,
-        "state": j.state,
-        "payload": parse(&j.payload),
-        "priority": j.priority,
-        "attempt": j.attempt,
-        "max_attempts": j.max_attempts,
-        "dedup_key": j.dedup_key,
-        "run_at": time(j.run_at),
-        "enqueued_at": time(j.enqueued_at),
-        "finished_at": j.finished_at.map(time),
-        "result": j.result.as_deref().map(parse),
-        "last_error": j.last_error,
-        "attempts": j.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
-        "effects": Vec::<Value>::new(),
+/// Stored JSON text as it is, without parsing it again; text that is not
+/// JSON (it cannot be, but the ledger is not trusted blindly) as a string.
+fn raw_json(s: &str) -> Box<RawValue> {
+    RawValue::from_string(s.to_owned()).unwrap_or_else(|_| {
+        let quoted = serde_json::to_string(s).unwrap_or_else(|_| "null".to_owned());
+        RawValue::from_string(quoted).unwrap_or_default()
     })
 }
 
-async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+/// The job object of DESIGN 6.2.
+#[derive(Serialize)]
+pub struct JobView<'a> {
+    id: &'a str,
+    queue: &'a str,
+    state: JobState,
+    payload: Box<RawValue>,
+    priority: i32,
+    attempt: u32,
+    max_attempts: u32,
+    dedup_key: Option<&'a str>,
+    run_at: String,
+    enqueued_at: String,
+    finished_at: Option<String>,
+    result: Option<Box<RawValue>>,
+    last_error: Option<&'a str>,
+    attempts: Vec<Value>,
+    effects: Vec<Value>,
+}
+
+impl<'a> JobView<'a> {
+    pub fn new(j: &'a Job) -> JobView<'a> {
+        JobView {
+            id: &j.id,
+            queue: &j.queue,
+            state: j.state,
+            payload: raw_json(&j.payload),
+            priority: j.priority,
+            attempt: j.attempt,
+            max_attempts: j.max_attempts,
+            dedup_key: j.dedup_key.as_deref(),
+            run_at: j.run_at.rfc3339(),
+            enqueued_at: j.enqueued_at.rfc3339(),
+            finished_at: j.finished_at.map(Millis::rfc3339),
+            result: j.result.as_deref().map(raw_json),
+            last_error: j.last_error.as_deref(),
+            attempts: j.attempts.iter().map(attempt_json).collect(),
+            effects: Vec::new(),
+        }
+    }
+}
+
+async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     let job = state
         .store
         .job(&id, state.queues.now())
@@ -405,12 +451,12 @@ async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiRe
             ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id:?}"))
         })?;
     let effects = state.store.effects(&id).await?;
-    let mut body = job_json(&job);
-    body["effects"] = json!(effects
+    let mut body = JobView::new(&job);
+    body.effects = effects
         .iter()
         .map(|e| json!({"attempt": e.attempt, "kind": e.kind, "key": e.key, "outcome": e.outcome, "at": time(e.at)}))
-        .collect::<Vec<_>>());
-    Ok(Json(body))
+        .collect();
+    Ok(Json(body).into_response())
 }
 
 #[derive(Debug, Deserialize)]
@@ -545,7 +591,7 @@ async fn list_jobs(
         )
         .await?;
     Ok(Json(json!({
-        "jobs": page.jobs.iter().map(job_json).collect::<Vec<_>>(),
+        "jobs": page.jobs.iter().map(JobView::new).collect::<Vec<_>>(),
         "next_cursor": page.next_cursor,
     })))
 }
@@ -556,7 +602,7 @@ async fn retry_job(
 ) -> ApiResult<Json<Value>> {
     let job = state.store.retry(&id, state.queues.now()).await?;
     state.queues.wake(&job.queue);
-    Ok(Json(json!({"job": job_json(&job)})))
+    Ok(Json(json!({"job": JobView::new(&job)})))
 }
 
 async fn cancel_job(
@@ -567,7 +613,7 @@ async fn cancel_job(
     if was_active {
         state.queues.interrupt(&job.queue, &job.id);
     }
-    Ok(Json(json!({"job": job_json(&job)})))
+    Ok(Json(json!({"job": JobView::new(&job)})))
 }
 
 async fn list_queues(State(state): State<AppState>) -> ApiResult<Json<Value>> {
