@@ -5,13 +5,15 @@ mod servers;
 mod support;
 
 use serde_json::json;
-use servers::{Payments, Push, Smtp};
+use servers::{AfterData, Payments, Push, Smtp};
 use support::{Daemon, payload};
 
-fn charge_queue(base_url: &str, extra_provider: &str, queue_extra: &str) -> String {
+/// Queue `charge` (charge_customer) and provider `payments` at `base_url`
+/// with a request `timeout` such as `"2s"`.
+fn charge_queue(base_url: &str, timeout: &str, extra_provider: &str, queue_extra: &str) -> String {
     format!(
         "[queues.charge]\nplugin = \"charge_customer\"\ngrants = {{ http = [\"payments\"] }}\n{queue_extra}\n\
-         [http.payments]\nbase_url = \"{base_url}\"\ntimeout = \"2s\"\n\
+         [http.payments]\nbase_url = \"{base_url}\"\ntimeout = \"{timeout}\"\n\
          headers = {{ Authorization = {{ env = \"KHATA_TEST_PAYMENTS_TOKEN\", prefix = \"Bearer \" }} }}\n{extra_provider}\n"
     )
 }
@@ -37,6 +39,7 @@ async fn a_charge_reaches_the_provider_once_and_is_replayed() {
     let payments = Payments::start().await;
     let config = charge_queue(
         &payments.url(),
+        "2s",
         "idempotency_header = \"Idempotency-Key\"",
         "",
     );
@@ -72,6 +75,7 @@ async fn an_unknown_outcome_is_uncertain_under_skip_until_an_operator_resolves_i
     let (addr, hits) = servers::black_hole().await;
     let config = charge_queue(
         &format!("http://{addr}"),
+        "2s",
         "",
         "max_attempts = 1\non_uncertain = \"skip\"",
     );
@@ -129,6 +133,7 @@ async fn on_uncertain_dead_and_repeat() {
     let (addr, hits) = servers::black_hole().await;
     let config = charge_queue(
         &format!("http://{addr}"),
+        "2s",
         "",
         "max_attempts = 3\non_uncertain = \"dead\"",
     );
@@ -149,6 +154,7 @@ async fn on_uncertain_dead_and_repeat() {
     let (addr, hits) = servers::black_hole().await;
     let config = charge_queue(
         &format!("http://{addr}"),
+        "2s",
         "",
         "max_attempts = 1\non_uncertain = \"repeat\"",
     );
@@ -392,6 +398,272 @@ async fn welcome_email_over_real_smtp() {
     assert!(messages[0].contains("Welcome, Bob!"));
 }
 
+/// Queue `welcome` (welcome_email, namespace `welcome`) sending through the
+/// SMTP server on `port`.
+fn welcome_smtp_queue(port: u16, queue_extra: &str) -> String {
+    format!(
+        "[queues.welcome]\nplugin = \"welcome_email\"\ngrants = {{ kv = true, email = true }}\n{queue_extra}\n\
+         [email]\ntransport = \"smtp\"\nfrom = \"hello@example.com\"\nhost = \"127.0.0.1\"\nport = {port}\ntls = \"none\"\ntimeout = \"5s\"\n"
+    )
+}
+
+fn welcome_user(user_id: u32) -> serde_json::Value {
+    payload(
+        json!({"user_id": user_id, "email": format!("u{user_id}@example.com"), "name": format!("U{user_id}")}),
+    )
+}
+
+/// The `Message-ID` header of a kept message.
+fn message_id_of(message: &str) -> &str {
+    message
+        .lines()
+        .find_map(|l| l.strip_prefix("Message-ID: "))
+        .unwrap_or_else(|| panic!("no Message-ID in {message}"))
+        .trim()
+}
+
+/// The job's effect records as (attempt, key, outcome).
+fn effect_outcomes(j: &serde_json::Value) -> Vec<(u64, String, String)> {
+    j["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["attempt"].as_u64().unwrap(),
+                e["key"].as_str().unwrap().to_owned(),
+                e["outcome"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The fences listed by `GET /v1/fences?state=STATE` as (namespace, kind, key, job_id).
+async fn fences_in(d: &Daemon, state: &str) -> Vec<(String, String, String, String)> {
+    let (status, v) = d
+        .call("GET", &format!("/v1/fences?state={state}"), None)
+        .await;
+    assert_eq!(status, 200, "{v}");
+    v["fences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            let s = |k: &str| f[k].as_str().unwrap().to_owned();
+            (s("namespace"), s("kind"), s("key"), s("job_id"))
+        })
+        .collect()
+}
+
+/// The SMTP server keeps the message and drops the connection without
+/// answering the final dot: whether it was sent is unknown, SMTP is not
+/// idempotent and cannot be asked, so `skip` marks the fence `uncertain` and
+/// never sends again; welcome_email's `?` makes `uncertain` a permanent
+/// failure, so the job is dead at once whatever its budget.
+#[tokio::test]
+async fn smtp_drop_after_data_under_skip_is_uncertain_and_never_sent_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smtp = Smtp::start_with(
+        &tmp.path().join("mail"),
+        std::time::Duration::ZERO,
+        AfterData::DropAlways,
+    );
+    let d = start(
+        &welcome_smtp_queue(smtp.port, "max_attempts = 3\non_uncertain = \"skip\""),
+        &[("welcome_email", "welcome_email")],
+    )
+    .await;
+    let id = d.enqueue("welcome", welcome_user(21)).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert_eq!(
+        j["attempts"].as_array().unwrap().len(),
+        1,
+        "dead at once: {j}"
+    );
+    assert_eq!(j["attempts"][0]["outcome"], "failed", "{j}");
+    assert!(
+        j["last_error"]
+            .as_str()
+            .unwrap()
+            .starts_with("effect uncertain:"),
+        "{j}"
+    );
+    assert_eq!(
+        effect_outcomes(&j),
+        [(1, "welcome:21".into(), "refused:uncertain".into())]
+    );
+    assert_eq!(smtp.messages().len(), 1, "the server kept the message once");
+    assert_eq!(
+        fences_in(&d, "uncertain").await,
+        [(
+            "welcome".into(),
+            "email".into(),
+            "welcome:21".into(),
+            id.clone()
+        )],
+        "listed for an operator"
+    );
+
+    // Another job for the same user meets the uncertain fence: nothing is sent.
+    let again = d.enqueue("welcome", welcome_user(21)).await;
+    let ja = d.wait_state(&again, "dead", 30).await;
+    assert_eq!(
+        effect_outcomes(&ja),
+        [(1, "welcome:21".into(), "refused:uncertain".into())]
+    );
+    assert_eq!(smtp.messages().len(), 1, "skip: never a second send");
+
+    // The operator finds the message on the server and says so: a retry
+    // replays the receipt, with the Message-ID the server kept.
+    let out = d.cli(&["fence", "resolve", "welcome", "email", "welcome:21", "done"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.cli(&["retry", &id]);
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(j["result"]["replayed"], true, "{j}");
+    let messages = smtp.messages();
+    assert_eq!(messages.len(), 1);
+    assert_eq!(
+        j["result"]["message_id"].as_str().unwrap(),
+        message_id_of(&messages[0])
+    );
+    assert!(fences_in(&d, "uncertain").await.is_empty());
+}
+
+/// The same drop under `repeat`: the daemon sends the message again, with
+/// the same Message-ID, in the same call; the handler never sees the unknown
+/// outcome. The server ends with two copies: the one it kept without
+/// answering and the resend it answered (at least once).
+#[tokio::test]
+async fn smtp_drop_after_data_under_repeat_sends_again_with_the_same_message_id() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smtp = Smtp::start_with(
+        &tmp.path().join("mail"),
+        std::time::Duration::ZERO,
+        AfterData::DropFirst(1),
+    );
+    let d = start(
+        // One attempt: the resend must happen inside the call, not by a retry.
+        &welcome_smtp_queue(smtp.port, "max_attempts = 1\non_uncertain = \"repeat\""),
+        &[("welcome_email", "welcome_email")],
+    )
+    .await;
+    let id = d.enqueue("welcome", welcome_user(22)).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(j["result"]["replayed"], false, "{j}");
+    assert_eq!(j["attempts"].as_array().unwrap().len(), 1, "{j}");
+    assert_eq!(
+        effect_outcomes(&j),
+        [(1, "welcome:22".into(), "performed".into())]
+    );
+    let messages = smtp.messages();
+    assert_eq!(
+        messages.len(),
+        2,
+        "the kept copy and the resend: {messages:#?}"
+    );
+    let message_id = j["result"]["message_id"].as_str().unwrap();
+    for m in &messages {
+        assert_eq!(
+            message_id_of(m),
+            message_id,
+            "the same Message-ID on every try"
+        );
+        assert!(m.contains("To: u22@example.com"), "{m}");
+    }
+    assert!(fences_in(&d, "uncertain").await.is_empty());
+    let done = fences_in(&d, "done").await;
+    assert_eq!(
+        done,
+        [("welcome".into(), "email".into(), "welcome:22".into(), id)]
+    );
+}
+
+/// `repeat` against a server that never answers: one call sends at most 3
+/// times, then returns `transient` and leaves the fence `started`; the next
+/// attempt starts over. Two attempts, six copies, and a dead job whose fence
+/// is still `started`.
+#[tokio::test]
+async fn smtp_drop_always_under_repeat_sends_three_times_per_call() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smtp = Smtp::start_with(
+        &tmp.path().join("mail"),
+        std::time::Duration::ZERO,
+        AfterData::DropAlways,
+    );
+    let d = start(
+        &welcome_smtp_queue(
+            smtp.port,
+            "max_attempts = 2\non_uncertain = \"repeat\"\nbackoff = { initial = \"10ms\", max = \"20ms\" }",
+        ),
+        &[("welcome_email", "welcome_email")],
+    )
+    .await;
+    let id = d.enqueue("welcome", welcome_user(23)).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    let attempts = j["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{j}");
+    assert!(attempts.iter().all(|a| a["outcome"] == "retry"), "{j}");
+    assert!(
+        j["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("stayed unknown after 3 tries"),
+        "{j}"
+    );
+    assert_eq!(
+        effect_outcomes(&j),
+        [
+            (1, "welcome:23".into(), "refused:transient".into()),
+            (2, "welcome:23".into(), "refused:transient".into())
+        ]
+    );
+    assert_eq!(smtp.messages().len(), 6, "3 sends in each of 2 attempts");
+    assert_eq!(
+        fences_in(&d, "started").await,
+        [("welcome".into(), "email".into(), "welcome:23".into(), id)]
+    );
+    assert!(fences_in(&d, "uncertain").await.is_empty());
+}
+
+/// The same drop under `dead`: the fence becomes `uncertain` and the job
+/// goes dead at once with the policy's message, however many attempts it
+/// had left.
+#[tokio::test]
+async fn smtp_drop_after_data_under_dead_dead_letters_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smtp = Smtp::start_with(
+        &tmp.path().join("mail"),
+        std::time::Duration::ZERO,
+        AfterData::DropAlways,
+    );
+    let d = start(
+        &welcome_smtp_queue(smtp.port, "max_attempts = 5\non_uncertain = \"dead\""),
+        &[("welcome_email", "welcome_email")],
+    )
+    .await;
+    let id = d.enqueue("welcome", welcome_user(24)).await;
+    let j = d.wait_state(&id, "dead", 30).await;
+    assert_eq!(j["attempts"].as_array().unwrap().len(), 1, "{j}");
+    assert_eq!(
+        j["last_error"],
+        "the outcome of effect welcome/email/welcome:24 is unknown and the queue's on_uncertain policy is `dead`",
+        "{j}"
+    );
+    assert_eq!(
+        effect_outcomes(&j),
+        [(1, "welcome:24".into(), "refused:uncertain".into())]
+    );
+    assert_eq!(smtp.messages().len(), 1, "sent once, not repeated");
+    assert_eq!(
+        fences_in(&d, "uncertain").await,
+        [("welcome".into(), "email".into(), "welcome:24".into(), id)]
+    );
+}
+
 fn jitter_ms(lo: u64, hi: u64) -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -447,6 +719,7 @@ async fn idempotent_provider_charges_each_order_once_across_kill_nine() {
     let payments = Payments::start_with_delay(std::time::Duration::from_millis(20)).await;
     let config = charge_queue(
         &payments.url(),
+        "2s",
         "idempotency_header = \"Idempotency-Key\"",
         "concurrency = 16\nmax_attempts = 20\nbackoff = { initial = \"10ms\", max = \"50ms\" }",
     );
@@ -476,6 +749,7 @@ async fn non_idempotent_provider_never_charges_twice_under_skip() {
     let payments = Payments::start_with_delay(std::time::Duration::from_millis(20)).await;
     let config = charge_queue(
         &payments.url(),
+        "2s",
         "",
         "concurrency = 16\nmax_attempts = 20\non_uncertain = \"skip\"\nbackoff = { initial = \"10ms\", max = \"50ms\" }",
     );
@@ -564,6 +838,7 @@ async fn a_500_is_recorded_and_replayed_not_resent() {
     .await;
     let config = charge_queue(
         &payments.url(),
+        "2s",
         "idempotency_header = \"Idempotency-Key\"",
         "max_attempts = 1",
     );
@@ -587,6 +862,7 @@ async fn connection_refused_releases_the_fence_and_retries() {
     let closed = format!("http://127.0.0.1:{}", support::free_port());
     let config = charge_queue(
         &closed,
+        "2s",
         "idempotency_header = \"Idempotency-Key\"",
         "max_attempts = 3\nbackoff = { initial = \"10ms\", max = \"20ms\" }",
     );
@@ -623,10 +899,10 @@ async fn a_slow_answer_is_unknown_and_the_idempotent_provider_is_asked_again_wit
     .await;
     let config = charge_queue(
         &payments.url(),
+        "1s",
         "idempotency_header = \"Idempotency-Key\"",
         "",
     );
-    let config = config.replace("timeout = \"2s\"", "timeout = \"1s\"");
     let d = start(&config, &[("charge_customer", "charge_customer")]).await;
     let id = d.enqueue("charge", order(11)).await;
     let j = d.wait_state(&id, "completed", 30).await;
@@ -653,12 +929,12 @@ async fn a_fence_held_by_a_running_attempt_is_in_progress_for_another_job() {
     .await;
     let config = charge_queue(
         &payments.url(),
+        "5s",
         "idempotency_header = \"Idempotency-Key\"",
         // The second job retries while the first holds the fence (1.5 s):
         // a budget of 100 attempts at most 200 ms apart outlasts it.
         "concurrency = 2\nmax_attempts = 100\nbackoff = { initial = \"100ms\", max = \"200ms\" }",
     );
-    let config = config.replace("timeout = \"2s\"", "timeout = \"5s\"");
     let d = start(&config, &[("charge_customer", "charge_customer")]).await;
     let first = d.enqueue("charge", order(12)).await;
     d.wait_state(&first, "active", 30).await;

@@ -1,7 +1,9 @@
 //! The rare crash points of DESIGN 4, hit on purpose: a failpoint holds the
 //! daemon at one point of an effect while the test `kill -9`s it, then the
 //! daemon restarts without the failpoint. One test per row of the table
-//! whose outcome depends on where the crash fell.
+//! whose outcome depends on where the crash fell. And one window that a
+//! single daemon otherwise closes at once: a cancelled attempt still running
+//! before its interrupt, whose effects are all `fenced`.
 //!
 //! Needs the `failpoints` feature (`scripts/test` enables it).
 #![cfg(feature = "failpoints")]
@@ -266,18 +268,181 @@ async fn outbox_crash_after_write_is_reconciled_by_its_file() {
         )
         .await;
     let outbox = d.dir.path().join("data/outbox");
-    until("the .eml file", &d, async || {
+    // Only published messages count: the writer's temporary file comes first
+    // and may be left behind by the kill.
+    let eml_files = || {
         std::fs::read_dir(&outbox)
-            .map(|r| r.count() == 1)
-            .unwrap_or(false)
-    })
-    .await;
+            .map(|r| {
+                r.filter(|e| {
+                    e.as_ref()
+                        .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "eml"))
+                })
+                .count()
+            })
+            .unwrap_or(0)
+    };
+    until("the .eml file", &d, async || eml_files() == 1).await;
     crash_and_restart(&mut d).await;
     let j = d.wait_state(&id, "completed", 30).await;
-    assert_eq!(
-        std::fs::read_dir(&outbox).unwrap().count(),
-        1,
-        "one message"
-    );
+    assert_eq!(eml_files(), 1, "one message");
     assert_eq!(j["effects"][0]["outcome"], "reconciled:done", "{j}");
+}
+
+fn stale_config(payments: &Payments) -> String {
+    format!(
+        "[queues.stale]\nplugin = \"stale\"\ntimeout = \"60s\"\nmax_attempts = 1\n\
+         grants = {{ kv = true, index = [\"docs\"], email = true, http = [\"payments\"] }}\n\
+         [email]\ntransport = \"outbox\"\nfrom = \"hello@example.com\"\n\
+         [http.payments]\nbase_url = \"{}\"\ntimeout = \"5s\"\n",
+        payments.url()
+    )
+}
+
+/// The daemon's log lines (`KHATA_LOG_FORMAT=json`), parsed.
+fn log_lines(d: &Daemon) -> Vec<serde_json::Value> {
+    d.log()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// What the guest logged for job `id`, the lines that start with `prefix`.
+fn guest_lines(d: &Daemon, id: &str, prefix: &str) -> Vec<String> {
+    log_lines(d)
+        .into_iter()
+        .filter(|v| v["target"] == "khata::guest" && v["fields"]["job"] == id)
+        .filter_map(|v| v["fields"]["message"].as_str().map(str::to_owned))
+        .filter(|m| m.starts_with(prefix))
+        .collect()
+}
+
+/// DESIGN 4, fencing: an attempt that no longer holds its job gets `fenced`
+/// from every effect call and changes nothing.
+///
+/// A cancel commits the job's new state, then interrupts the attempt still
+/// running; the failpoint `queue::before_interrupt` holds the interrupt for
+/// 2 s after that commit, so the attempt goes on running with a lost lease.
+/// The `stale` guest puts 1, 2, 3, ... into kv `counter` meanwhile; its first
+/// put after the cancel is refused, and it then calls every other effect once
+/// (kv, index, email, http) and logs what each answered.
+#[tokio::test]
+async fn a_cancelled_attempt_still_running_is_fenced_from_every_effect() {
+    let payments = Payments::start().await;
+    let mut d = Daemon::prepare(&stale_config(&payments), &[("stale", "stale")]);
+    d.env("FAILPOINTS", "queue::before_interrupt=1*return(2000)");
+    d.env("KHATA_LOG_FORMAT", "json");
+    d.start().await;
+    d.wait_plugin("stale").await;
+    let id = d.enqueue("stale", payload(json!({"do": "loop"}))).await;
+    until("the guest to be putting", &d, async || {
+        !guest_lines(&d, &id, "stale: looping").is_empty()
+    })
+    .await;
+
+    // Answered after the failpoint let the interrupt go.
+    let (status, v) = d.call("DELETE", &format!("/v1/jobs/{id}"), None).await;
+    assert_eq!(
+        (status, &v["job"]["state"]),
+        (200, &json!("cancelled")),
+        "{v}"
+    );
+    until("the attempt to end", &d, async || {
+        d.job(&id).await["attempts"][0]["outcome"] == "cancelled"
+    })
+    .await;
+    assert!(
+        log_lines(&d)
+            .iter()
+            .any(|l| l["fields"]["failpoint"] == "queue::before_interrupt"),
+        "the interrupt went through the failpoint\n{}",
+        d.log()
+    );
+
+    let probes = guest_lines(&d, &id, "stale-probe ");
+    assert_eq!(
+        probes.len(),
+        1,
+        "the guest saw a put refused while still running\n{}",
+        d.log()
+    );
+    let probe: serde_json::Value =
+        serde_json::from_str(probes[0].trim_start_matches("stale-probe ")).unwrap();
+    let last_ok = probe["last_ok"].as_u64().unwrap();
+    assert!(last_ok >= 1, "{probe}");
+    assert_eq!(
+        probe,
+        json!({
+            "last_ok": last_ok,
+            "refused_round": last_ok + 1,
+            "put": "fenced",
+            "kv_get": "fenced",
+            "kv_insert_if_absent": "fenced",
+            "kv_delete": "fenced",
+            "index_upsert": "fenced",
+            "index_remove": "fenced",
+            "index_get": "fenced",
+            "email_send": "fenced",
+            "http_send": "fenced",
+        }),
+        "every effect after the cancel is fenced"
+    );
+
+    // The job stays cancelled although the handler returned Ok; the
+    // refused external calls are recorded on the attempt.
+    let j = d.job(&id).await;
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert!(j["result"].is_null(), "{j}");
+    let effects: Vec<_> = j["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["attempt"].clone(),
+                e["kind"].clone(),
+                e["outcome"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        effects,
+        [
+            (json!(1), json!("email"), json!("refused:fenced")),
+            (json!(1), json!("http"), json!("refused:fenced"))
+        ]
+    );
+    let (_, metrics) = d.call("GET", "/metrics", None).await;
+    for kind in ["email", "http"] {
+        assert!(
+            metrics
+                .as_str()
+                .unwrap()
+                .lines()
+                .any(|l| l.starts_with("khata_effects_total")
+                    && l.contains(&format!("kind=\"{kind}\""))
+                    && l.contains("outcome=\"refused:fenced\"")
+                    && l.ends_with(" 1")),
+            "{metrics}"
+        );
+    }
+
+    // Nothing changed: no request, no mail, no document, no fence, and kv
+    // holds the last value put before the cancel.
+    assert!(payments.requests().is_empty(), "{:?}", payments.requests());
+    let outbox = d.dir.path().join("data/outbox");
+    let mails = std::fs::read_dir(&outbox)
+        .map(|r| r.count())
+        .unwrap_or_default();
+    assert_eq!(mails, 0, "nothing in {}", outbox.display());
+    let (status, v) = d.call("GET", "/v1/index/docs/probe", None).await;
+    assert_eq!(status, 404, "{v}");
+    let (_, v) = d.call("GET", "/v1/fences", None).await;
+    assert_eq!(v["fences"], json!([]), "{v}");
+    let read = d.enqueue("stale", payload(json!({"do": "read"}))).await;
+    let r = d.wait_state(&read, "completed", 30).await;
+    assert_eq!(
+        r["result"],
+        json!({"counter": last_ok.to_string(), "probe": null}),
+        "kv unchanged since the cancel"
+    );
 }

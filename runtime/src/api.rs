@@ -611,7 +611,7 @@ async fn cancel_job(
 ) -> ApiResult<Json<Value>> {
     let (job, was_active) = state.store.cancel(&id, state.queues.now()).await?;
     if was_active {
-        state.queues.interrupt(&job.queue, &job.id);
+        state.queues.interrupt(&job.queue, &job.id).await;
     }
     Ok(Json(json!({"job": JobView::new(&job)})))
 }

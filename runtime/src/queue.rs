@@ -236,7 +236,13 @@ impl Queues {
     }
 
     /// Stops the running attempt of a job that was just cancelled.
-    pub fn interrupt(&self, queue: &str, job_id: &str) {
+    ///
+    /// The cancel is committed before this is called, so from then on every
+    /// effect of that attempt is refused as `fenced`; the failpoint
+    /// `queue::before_interrupt` (tests only) holds the attempt running in
+    /// that window, so that a test can watch its effects being refused.
+    pub async fn interrupt(&self, queue: &str, job_id: &str) {
+        crate::effects::fenced::failpoint("queue::before_interrupt").await;
         if let Some(q) = self.queues.get(queue)
             && let Ok(running) = q.running.lock()
             && let Some(token) = running.get(job_id)

@@ -2,7 +2,8 @@
 //! deduplicates by idempotency key (as Stripe does), a push API that does not
 //! (every request is one more notification), a server that takes a request
 //! and drops the connection without answering, and an SMTP server (aiosmtpd,
-//! from PyPI) that saves every message it receives.
+//! from PyPI) that saves every message it receives, and can drop the
+//! connection after a message instead of answering it.
 
 #![allow(dead_code)]
 
@@ -265,15 +266,39 @@ pub struct Smtp {
     child: Child,
 }
 
+/// What the SMTP server does once it has received a whole message (the
+/// body and its final dot, after `DATA`) and saved it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterData {
+    /// Answers `250 OK`.
+    Answer,
+    /// For the first `n` messages it receives, closes the connection
+    /// without a reply to the final dot; answers the later ones.
+    DropFirst(u32),
+    /// Closes the connection without a reply after every message.
+    DropAlways,
+}
+
 const SMTP_SINK: &str = r#"
 import asyncio, sys, time, pathlib, uuid
 from aiosmtpd.controller import Controller
 DELAY = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+# How many messages to keep and then drop the connection on, unanswered; -1: all.
+DROP = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 class Save:
+    dropped = 0
     async def handle_DATA(self, server, session, envelope):
         out = pathlib.Path(sys.argv[2])
         name = out / (uuid.uuid4().hex + ".eml")
-        name.write_bytes(envelope.original_content or envelope.content)
+        tmp = out / ("." + name.name + ".tmp")
+        tmp.write_bytes(envelope.original_content or envelope.content)
+        tmp.rename(name)
+        if DROP < 0 or Save.dropped < DROP:
+            Save.dropped += 1
+            # The message is kept; the client never hears so.
+            server.transport.abort()
+            # aiosmtpd cancels this handler when it sees the connection lost.
+            await asyncio.Event().wait()
         await asyncio.sleep(DELAY)
         return "250 OK"
 c = Controller(Save(), hostname="127.0.0.1", port=int(sys.argv[1]))
@@ -286,17 +311,28 @@ while True:
 impl Smtp {
     /// Starts the server; panics with a clear message when aiosmtpd is missing.
     pub fn start(dir: &Path) -> Smtp {
-        Self::start_with_delay(dir, Duration::ZERO)
+        Self::start_with(dir, Duration::ZERO, AfterData::Answer)
     }
 
     /// A server that takes `delay` to answer each message after keeping it.
     pub fn start_with_delay(dir: &Path, delay: Duration) -> Smtp {
+        Self::start_with(dir, delay, AfterData::Answer)
+    }
+
+    /// A server that keeps each message and then acts as `after_data` says.
+    pub fn start_with(dir: &Path, delay: Duration, after_data: AfterData) -> Smtp {
+        let drop = match after_data {
+            AfterData::Answer => 0,
+            AfterData::DropFirst(n) => i64::from(n),
+            AfterData::DropAlways => -1,
+        };
         let port = crate::support::free_port();
         std::fs::create_dir_all(dir).unwrap();
         let mut child = Command::new("python3")
             .args(["-c", SMTP_SINK, &port.to_string()])
             .arg(dir)
             .arg(delay.as_secs_f64().to_string())
+            .arg(drop.to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -324,10 +360,14 @@ impl Smtp {
         }
     }
 
+    /// Every message the server kept (whether or not it answered).
     pub fn messages(&self) -> Vec<String> {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.dir).unwrap() {
-            out.push(std::fs::read_to_string(e.unwrap().path()).unwrap());
+            let path = e.unwrap().path();
+            if path.extension().is_some_and(|x| x == "eml") {
+                out.push(std::fs::read_to_string(path).unwrap());
+            }
         }
         out
     }

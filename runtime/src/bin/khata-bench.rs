@@ -21,6 +21,18 @@
 //! 6. the daemon's RSS with a backlog of waiting jobs, the bulk enqueue rate,
 //!    and figure 1 again with that backlog, against a backlog of 10,000:
 //!    100,000 by default, 1,000,000 with `--million`.
+//! 7. effects, durable, concurrency 16, 10,000 jobs due at once
+//!    (`--effect-jobs`): jobs/s of `welcome_email` through the outbox, and
+//!    through SMTP to a local aiosmtpd sink (python3 with aiosmtpd, as the
+//!    tests use; skipped with a note when it is missing; one Python thread,
+//!    it may be what bounds the figure: its CPU per message is noted);
+//!    jobs/s of `charge_customer` against a payments API served by this
+//!    process (axum on 127.0.0.1). And the cost of the fence itself: in this process,
+//!    through the `khata` library, one `Effects::http_send` (fence `started`,
+//!    durably; the request; fence `done`, durably; the effect record) against
+//!    the bare `Provider::send` of the same request, over the same client, to
+//!    the same server, one call at a time (`--fenced-calls` of each,
+//!    interleaved); the figure is the difference of the medians.
 //!
 //! Completion is watched with two cheap probes (`GET /v1/jobs?queue=&state=`
 //! for `waiting` and for `active`, limit 1) every 20 ms; once both are empty
@@ -28,11 +40,11 @@
 //! alone counts by scanning the whole jobs table, which with a large backlog
 //! would load the daemon more than the work it measures.
 //!
-//! Figures 1, 2 and 6 drain [`RUNS`] times and report the median with the
-//! range. Progress lines on stderr say where the time went: the ledger's
-//! group commits (from `GET /metrics`) and the CPU seconds of the daemon, its
-//! ledger writer thread, this bench and the rest of the machine (from
-//! `/proc`). The table goes to stdout, after the machine, the date and the CPU
+//! Figures 1, 2, 6 and 7a-7c drain [`RUNS`] times and report the median
+//! with the range. Progress lines on stderr say where the time went: the
+//! ledger's group commits (from `GET /metrics`) and the CPU seconds of the
+//! daemon, its ledger writer thread, this bench and the rest of the machine
+//! (from `/proc`). The table goes to stdout, after the machine, the date and the CPU
 //! that other processes used while figures were measured: other work on the
 //! machine lowers every figure.
 
@@ -46,11 +58,11 @@ use anyhow::{Context, bail, ensure};
 use clap::Parser;
 use serde_json::{Value, json};
 
-use khata::config::{Grants, OnUncertain};
-use khata::effects::http::Providers;
+use khata::config::{Grants, HttpProvider, OnUncertain};
+use khata::effects::http::{HttpRequest, Providers};
 use khata::effects::{Effects, Scope};
 use khata::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome};
-use khata::job::{LeaseRef, Millis};
+use khata::job::{LeaseRef, Millis, NewJob};
 use khata::store::Store;
 use khata::store::sqlite::SqliteStore;
 
@@ -75,6 +87,8 @@ const INVOCATIONS: usize = 10_000;
 const WARM_UP: usize = 200;
 /// The smaller backlog of figure 6.
 const SMALL_BACKLOG: usize = 10_000;
+/// Fenced and bare calls made before the timed ones of figure 7d.
+const FENCED_WARM_UP: usize = 50;
 
 const ECHO_QUEUE: &str = "[queues.echo]\nplugin = \"echo\"\nconcurrency = 16\n";
 const EXISTS_QUEUE: &str =
@@ -82,6 +96,7 @@ const EXISTS_QUEUE: &str =
 /// A queue whose plugin file is never there: its jobs wait.
 const PARKED_QUEUE: &str = "[queues.parked]\nplugin = \"absent\"\n";
 const SLEEPY_QUEUE: &str = "[queues.sleepy]\nplugin = \"chaos\"\nconcurrency = 32\ntimeout = \"120s\"\ngrants = { kv = true }\n";
+const WELCOME_QUEUE: &str = "[queues.welcome]\nplugin = \"welcome_email\"\nconcurrency = 16\ngrants = { kv = true, email = true }\n";
 
 #[derive(Debug, Parser)]
 #[command(about = "Measures khata's throughput and latency against its targets")]
@@ -97,8 +112,14 @@ struct Args {
     #[arg(long)]
     million: bool,
     /// Run only these figures, e.g. `--only 1,4`.
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=6))]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=7))]
     only: Vec<u8>,
+    /// Jobs drained in each run of figure 7's jobs/s (7a-7c).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    effect_jobs: u64,
+    /// Fenced calls, and as many bare ones, timed in figure 7d.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
+    fenced_calls: u64,
 }
 
 #[tokio::main]
@@ -145,6 +166,11 @@ async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
         let backlog = if args.million { 1_000_000 } else { 100_000 };
         rows.extend(figure_backlog(bench, backlog).await?);
     }
+    if wanted(7) {
+        let jobs = usize::try_from(args.effect_jobs)?;
+        let calls = usize::try_from(args.fenced_calls)?;
+        rows.extend(figure_effects(bench, jobs, calls).await?);
+    }
     Ok(rows)
 }
 
@@ -152,7 +178,7 @@ async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
 // The figures
 
 async fn figure_echo(bench: &Bench) -> anyhow::Result<Row> {
-    let rates = fresh_drains(bench, ECHO_QUEUE, "echo", "echo", echo_payload).await?;
+    let rates = fresh_drains(bench, ECHO_QUEUE, "echo", "echo", DRAIN_JOBS, echo_payload).await?;
     note(format!("1: echo: {rates} jobs/s"));
     Ok(Row::new(
         "1. echo jobs/s (20,000 due at once, concurrency 16)",
@@ -168,6 +194,7 @@ async fn figure_exists(bench: &Bench) -> anyhow::Result<Row> {
         EXISTS_QUEUE,
         "exists",
         "chaos",
+        DRAIN_JOBS,
         |i| json!({ "do": "exists", "key": format!("key-{i}") }),
     )
     .await?;
@@ -354,21 +381,417 @@ async fn figure_backlog(bench: &Bench, backlog: usize) -> anyhow::Result<Vec<Row
     ])
 }
 
+async fn figure_effects(bench: &Bench, jobs: usize, calls: usize) -> anyhow::Result<Vec<Row>> {
+    for guest in ["welcome_email", "charge_customer"] {
+        let path = bench.plugins.join(format!("{guest}.wasm"));
+        ensure!(
+            path.is_file(),
+            "{} is missing: build the guests with scripts/build-plugins",
+            path.display()
+        );
+    }
+    let n = thousands(jobs as f64);
+    let mut rows = Vec::new();
+
+    let outbox =
+        format!("{WELCOME_QUEUE}[email]\ntransport = \"outbox\"\nfrom = \"bench@example.com\"\n");
+    let rates = fresh_drains(
+        bench,
+        &outbox,
+        "welcome",
+        "welcome_email",
+        jobs,
+        welcome_payload,
+    )
+    .await?;
+    note(format!("7a: welcome_email, outbox: {rates} jobs/s"));
+    rows.push(Row::report(
+        &format!("7a. welcome_email jobs/s, outbox ({n} due at once, concurrency 16)"),
+        format!("{rates}"),
+    ));
+
+    match SmtpSink::start()? {
+        Some(mut sink) => {
+            let smtp = format!(
+                "{WELCOME_QUEUE}[email]\ntransport = \"smtp\"\nfrom = \"bench@example.com\"\n\
+                 host = \"127.0.0.1\"\nport = {}\ntls = \"none\"\n",
+                sink.port
+            );
+            let sink_cpu = sink.cpu();
+            let rates = fresh_drains(
+                bench,
+                &smtp,
+                "welcome",
+                "welcome_email",
+                jobs,
+                welcome_payload,
+            )
+            .await?;
+            // The sink is part of what is measured, not other work on the
+            // machine: take its CPU time out of the others' total.
+            let sink_cpu = sink.cpu().minus(sink_cpu).total();
+            if let Ok(mut others) = OTHERS.lock() {
+                *others = (*others - sink_cpu).max(0.0);
+            }
+            let received = sink.received()?;
+            note(format!(
+                "   the SMTP sink used {sink_cpu:.2} CPU s, {:.2} ms per message (in \"rest of the machine\" above)",
+                sink_cpu * 1e3 / received.max(1) as f64
+            ));
+            ensure!(
+                received == RUNS * jobs,
+                "the SMTP sink received {received} messages for {} jobs",
+                RUNS * jobs
+            );
+            note(format!("7b: welcome_email, SMTP: {rates} jobs/s"));
+            rows.push(Row::report(
+                "7b. welcome_email jobs/s, SMTP to a local aiosmtpd sink",
+                format!("{rates}"),
+            ));
+        }
+        None => {
+            note("7b: skipped: python3 with aiosmtpd is not available".into());
+            rows.push(Row::report(
+                "7b. welcome_email jobs/s, SMTP to a local aiosmtpd sink",
+                "not measured (python3 -m pip install aiosmtpd)".into(),
+            ));
+        }
+    }
+
+    let payments = PaymentsServer::start().await?;
+    let charge = format!(
+        "[queues.charge]\nplugin = \"charge_customer\"\nconcurrency = 16\ngrants = {{ http = [\"payments\"] }}\n\
+         [http.payments]\nbase_url = \"{}\"\nidempotency_header = \"Idempotency-Key\"\n",
+        payments.url()
+    );
+    let rates = fresh_drains(
+        bench,
+        &charge,
+        "charge",
+        "charge_customer",
+        jobs,
+        charge_payload,
+    )
+    .await?;
+    let charged = payments.requests();
+    ensure!(
+        charged == RUNS * jobs,
+        "the payments server received {charged} charges for {} jobs",
+        RUNS * jobs
+    );
+    note(format!("7c: charge_customer, HTTP: {rates} jobs/s"));
+    rows.push(Row::report(
+        "7c. charge_customer jobs/s, HTTP to a local payments API",
+        format!("{rates}"),
+    ));
+
+    let cost = fenced_cost(bench, &payments, calls).await?;
+    let extra = cost.fenced_p50.as_secs_f64() - cost.bare_p50.as_secs_f64();
+    note(format!(
+        "7d: {calls} calls each: fenced p50 {} p99 {}, bare p50 {} p99 {}",
+        micros(cost.fenced_p50),
+        micros(cost.fenced_p99),
+        micros(cost.bare_p50),
+        micros(cost.bare_p99),
+    ));
+    rows.push(Row::report(
+        "7d. one fenced HTTP call over the bare call (p50, one at a time)",
+        format!(
+            "+{} ({} vs {})",
+            micros(Duration::from_secs_f64(extra.max(0.0))),
+            micros(cost.fenced_p50),
+            micros(cost.bare_p50)
+        ),
+    ));
+    Ok(rows)
+}
+
+fn welcome_payload(i: usize) -> Value {
+    json!({ "user_id": i, "email": format!("user{i}@example.com"), "name": format!("User {i}") })
+}
+
+fn charge_payload(i: usize) -> Value {
+    json!({ "order_id": i, "amount": 1250, "currency": "EUR", "customer": "cus_bench" })
+}
+
+/// Latencies of figure 7d.
+struct FencedCost {
+    fenced_p50: Duration,
+    fenced_p99: Duration,
+    bare_p50: Duration,
+    bare_p99: Duration,
+}
+
+/// Times `calls` fenced HTTP calls (`Effects::http_send`, each by its own
+/// leased job, with its own key) and as many bare ones (`Provider::send` of
+/// the same provider), interleaved, one at a time, on a ledger of its own.
+async fn fenced_cost(
+    bench: &Bench,
+    payments: &PaymentsServer,
+    calls: usize,
+) -> anyhow::Result<FencedCost> {
+    let dir = bench.fresh_dir("fenced")?;
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir)?);
+    let provider = HttpProvider {
+        name: "payments".into(),
+        base_url: payments.url(),
+        idempotency_header: Some("Idempotency-Key".into()),
+        timeout: Duration::from_secs(10),
+        headers: Default::default(),
+        max_response: 1 << 20,
+        reconcile: None,
+    };
+    let providers = Arc::new(
+        Providers::from_config(&[("payments".to_owned(), provider)].into())
+            .map_err(anyhow::Error::msg)?,
+    );
+    let scope = Arc::new(Scope {
+        queue: "charge".into(),
+        namespace: "charge".into(),
+        grants: Grants {
+            http: vec!["payments".into()],
+            ..Grants::default()
+        },
+        on_uncertain: OnUncertain::Skip,
+        mailer: Err("no email in this bench".into()),
+        providers: Arc::clone(&providers),
+        email_from: "bench@localhost".into(),
+    });
+    let provider = providers.get("payments").context("no provider")?;
+
+    let total = FENCED_WARM_UP + calls;
+    for start in (0..total).step_by(BATCH) {
+        let batch = (start..(start + BATCH).min(total))
+            .map(|_| NewJob {
+                queue: "charge".into(),
+                id: None,
+                payload: "{}".into(),
+                priority: 0,
+                run_at: Millis::now(),
+                max_attempts: 1,
+                dedup_key: None,
+                dedup_for: None,
+            })
+            .collect();
+        store.enqueue(batch, Millis::now()).await?;
+    }
+    let mut leases = Vec::with_capacity(total);
+    while leases.len() < total {
+        let got = store.lease("charge", 1_000, Millis::now()).await?;
+        ensure!(!got.is_empty(), "leased {} of {total} jobs", leases.len());
+        leases.extend(got);
+    }
+
+    let request = |i: usize| HttpRequest {
+        method: "POST".into(),
+        path: "/v1/charges".into(),
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: Some(charge_payload(i).to_string().into_bytes()),
+    };
+    let mut bare = Vec::with_capacity(calls);
+    let mut fenced = Vec::with_capacity(calls);
+    for (i, lease) in leases.iter().enumerate() {
+        let sent = Instant::now();
+        let response = provider
+            .send(&format!("bare-{i}"), lease.token, &request(i))
+            .await
+            .map_err(|e| anyhow::anyhow!("bare call: {e}"))?;
+        let bare_took = sent.elapsed();
+        ensure!(
+            response.status == 200,
+            "bare call answered {}",
+            response.status
+        );
+
+        let effects = Effects::new(
+            Arc::clone(&store),
+            Arc::clone(&scope),
+            lease.fence(),
+            lease.attempt,
+        );
+        let sent = Instant::now();
+        let (response, replayed) = effects
+            .http_send(&format!("fenced-{i}"), "payments", request(i))
+            .await
+            .map_err(|e| anyhow::anyhow!("fenced call: {e}"))?;
+        let fenced_took = sent.elapsed();
+        ensure!(
+            response.status == 200 && !replayed,
+            "fenced call answered {} (replayed: {replayed})",
+            response.status
+        );
+        if i >= FENCED_WARM_UP {
+            bare.push(bare_took);
+            fenced.push(fenced_took);
+        }
+    }
+    bare.sort_unstable();
+    fenced.sort_unstable();
+    let p = |v: &[Duration], q: usize| v[(v.len() * q / 100).min(v.len() - 1)];
+    Ok(FencedCost {
+        fenced_p50: p(&fenced, 50),
+        fenced_p99: p(&fenced, 99),
+        bare_p50: p(&bare, 50),
+        bare_p99: p(&bare, 99),
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Local providers (figure 7)
+
+/// A payments API on 127.0.0.1, served by this process: `POST /v1/charges`
+/// answers 200 with a charge for the order in the body, and counts requests.
+struct PaymentsServer {
+    addr: std::net::SocketAddr,
+    requests: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PaymentsServer {
+    async fn start() -> anyhow::Result<PaymentsServer> {
+        let requests = Arc::new(AtomicUsize::new(0));
+        let app = axum::Router::new()
+            .route("/v1/charges", axum::routing::post(charge))
+            .with_state(Arc::clone(&requests));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let task = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                note(format!("the payments server stopped: {e}"));
+            }
+        });
+        Ok(PaymentsServer {
+            addr,
+            requests,
+            task,
+        })
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Charges received so far.
+    fn requests(&self) -> usize {
+        self.requests.load(Ordering::Relaxed)
+    }
+}
+
+/// `POST /v1/charges`: one more charge.
+async fn charge(
+    axum::extract::State(count): axum::extract::State<Arc<AtomicUsize>>,
+    axum::Json(order): axum::Json<Value>,
+) -> axum::Json<Value> {
+    let n = count.fetch_add(1, Ordering::Relaxed) + 1;
+    axum::Json(json!({
+        "id": format!("ch_{n}"),
+        "amount": order["amount"],
+        "order_id": order["order_id"],
+    }))
+}
+
+impl Drop for PaymentsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An SMTP server that accepts every message and keeps only a count:
+/// aiosmtpd in a python3 child, as the tests use.
+struct SmtpSink {
+    port: u16,
+    child: Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+const SMTP_SINK: &str = r#"
+import sys
+from aiosmtpd.controller import Controller
+class Count:
+    received = 0
+    async def handle_DATA(self, server, session, envelope):
+        Count.received += 1
+        return "250 OK"
+c = Controller(Count(), hostname="127.0.0.1", port=int(sys.argv[1]))
+c.start()
+print("ready", flush=True)
+for _ in sys.stdin:
+    print(Count.received, flush=True)
+"#;
+
+impl SmtpSink {
+    /// Starts the sink; `None` when python3 or aiosmtpd is missing.
+    fn start() -> anyhow::Result<Option<SmtpSink>> {
+        use std::io::BufRead;
+        let port = free_port()?;
+        let spawned = Command::new("python3")
+            .args(["-c", SMTP_SINK, &port.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn();
+        let Ok(mut child) = spawned else {
+            return Ok(None);
+        };
+        let stdin = child.stdin.take().context("sink stdin")?;
+        let mut stdout = std::io::BufReader::new(child.stdout.take().context("sink stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        if line.trim() != "ready" {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        Ok(Some(SmtpSink {
+            port,
+            child,
+            stdin,
+            stdout,
+        }))
+    }
+
+    /// CPU time the sink used so far.
+    fn cpu(&self) -> Times {
+        stat_times(&format!("/proc/{}/stat", self.child.id())).unwrap_or_default()
+    }
+
+    /// Messages received so far.
+    fn received(&mut self) -> anyhow::Result<usize> {
+        use std::io::{BufRead, Write};
+        self.stdin.write_all(b"count\n")?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        line.trim()
+            .parse()
+            .with_context(|| format!("the SMTP sink said {line:?}"))
+    }
+}
+
+impl Drop for SmtpSink {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Drains and enqueues over HTTP
 
-/// Runs [`RUNS`] drains of `queue`, each on a fresh daemon.
+/// Runs [`RUNS`] drains of `jobs` jobs of `queue`, each on a fresh daemon.
 async fn fresh_drains(
     bench: &Bench,
     queues: &str,
     queue: &str,
     guest: &str,
+    jobs: usize,
     payload: impl Fn(usize) -> Value,
 ) -> anyhow::Result<Spread> {
     let mut rates = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
         let daemon = bench.daemon(queues, &[guest]).await?;
-        rates.push(drain_rate(&daemon, queue, &payload).await?);
+        rates.push(drain_rate(&daemon, queue, jobs, &payload).await?);
     }
     Ok(Spread::of(rates))
 }
@@ -377,19 +800,20 @@ fn echo_payload(i: usize) -> Value {
     json!({ "n": i })
 }
 
-/// Enqueues [`DRAIN_JOBS`] jobs due at one future moment `T`, waits until
-/// every one is completed, and returns jobs/s counted from `T`.
+/// Enqueues `n` jobs due at one future moment `T`, waits until every one is
+/// completed, and returns jobs/s counted from `T`.
 async fn drain_rate(
     daemon: &Daemon,
     queue: &str,
+    n: usize,
     payload: impl Fn(usize) -> Value,
 ) -> anyhow::Result<f64> {
     let api = &daemon.api;
     let completed = api.counts(queue).await?["completed"].as_u64().unwrap_or(0);
     let due = SystemTime::now() + DUE_LEAD;
     let run_at = humantime::format_rfc3339_millis(due).to_string();
-    for start in (0..DRAIN_JOBS).step_by(BATCH) {
-        let jobs: Vec<Value> = (start..(start + BATCH).min(DRAIN_JOBS))
+    for start in (0..n).step_by(BATCH) {
+        let jobs: Vec<Value> = (start..(start + BATCH).min(n))
             .map(|i| json!({ "payload": payload(i), "run_at": run_at }))
             .collect();
         api.post(&batch_path(queue), json!({ "jobs": jobs }).to_string())
@@ -398,12 +822,12 @@ async fn drain_rate(
     let early = due.duration_since(SystemTime::now()).unwrap_or_default();
     ensure!(
         !early.is_zero(),
-        "enqueueing {DRAIN_JOBS} jobs took longer than the {} lead; the drain would start early",
+        "enqueueing {n} jobs took longer than the {} lead; the drain would start early",
         humantime::format_duration(DUE_LEAD)
     );
     tokio::time::sleep(early).await;
     let (commits, cpu) = (api.commits().await?, daemon.cpu()?);
-    let done = wait_drained(api, queue, completed + DRAIN_JOBS as u64).await?;
+    let done = wait_drained(api, queue, completed + n as u64).await?;
     let elapsed = done.duration_since(due).context("clock went backwards")?;
     note(format!(
         "   drained {queue} in {:.3} s: {}; CPU s: {}",
@@ -411,7 +835,7 @@ async fn drain_rate(
         api.commits().await?.since(commits),
         daemon.cpu()?.since(cpu)
     ));
-    Ok(DRAIN_JOBS as f64 / elapsed.as_secs_f64())
+    Ok(n as f64 / elapsed.as_secs_f64())
 }
 
 /// Polls until no job of `queue` is waiting or active and all are completed;
@@ -757,7 +1181,7 @@ async fn with_backlog(bench: &Bench, waiting: usize) -> anyhow::Result<Backlog> 
     ));
     let mut rates = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
-        rates.push(drain_rate(&daemon, "echo", echo_payload).await?);
+        rates.push(drain_rate(&daemon, "echo", DRAIN_JOBS, echo_payload).await?);
     }
     let jobs_per_second = Spread::of(rates);
     let peak_mib = daemon.memory("VmHWM")?;
@@ -1199,6 +1623,11 @@ fn thousands(n: f64) -> String {
 
 fn millis(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+/// `1234.5 µs` as `1,235 µs`.
+fn micros(d: Duration) -> String {
+    format!("{} µs", thousands(d.as_secs_f64() * 1e6))
 }
 
 /// A progress line on stderr; the table goes to stdout.

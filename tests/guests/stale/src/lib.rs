@@ -1,0 +1,108 @@
+//! `stale`: a test guest that goes on calling effects after its attempt has
+//! lost the job, to show that every effect of a stale attempt is refused as
+//! `fenced` and changes nothing (DESIGN 4, "Fencing").
+//!
+//! | `do` | fields | does |
+//! | --- | --- | --- |
+//! | `loop` | `rounds` (100000), `pause_ms` (5) | puts `1`, `2`, ... into kv `counter`, one per round with a pause between; after the first put it logs `stale: looping`. At the first put that fails it calls every other effect once (kv get, insert-if-absent, delete; index upsert, remove, get in `docs`; email send; http send to provider `payments`), logs one line `stale-probe <json>` with what each answered, and returns that JSON. `Fail` if every round's put succeeded. |
+//! | `read` | | `{"counter": <kv counter as text, or null>, "probe": <kv probe, or null>}` |
+//!
+//! The probe line's JSON: `{"last_ok": n, "refused_round": n + 1, "put": "fenced", "kv_get": ..., ...}`,
+//! each effect's value being `"ok"` or the effect-error's WIT name.
+//!
+//! Grants: `kv`, `index = ["docs"]`, `email`, `http = ["payments"]`.
+
+use std::time::Duration;
+
+use khata_sdk::prelude::*;
+use serde_json::{Map, Value, json};
+
+fn handle(job: Job) -> Result<Value, Error> {
+    let payload: Value = job.payload()?;
+    match payload
+        .get("do")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+    {
+        "loop" => keep_calling(
+            number_or(&payload, "rounds", 100_000),
+            number_or(&payload, "pause_ms", 5),
+        ),
+        "read" => {
+            Ok(json!({ "counter": text(kv::get("counter")?), "probe": text(kv::get("probe")?) }))
+        }
+        other => Err(Error::fail(format!("unknown \"do\": {other:?}"))),
+    }
+}
+
+khata_sdk::handler!(handle);
+
+fn keep_calling(rounds: u64, pause_ms: u64) -> Result<Value, Error> {
+    let mut last_ok = 0;
+    for round in 1..=rounds {
+        match kv::put("counter", round.to_string()) {
+            Ok(()) => {
+                last_ok = round;
+                if round == 1 {
+                    log::info("stale: looping");
+                }
+                std::thread::sleep(Duration::from_millis(pause_ms));
+            }
+            Err(e) => {
+                let mut probe = Map::new();
+                probe.insert("last_ok".into(), json!(last_ok));
+                probe.insert("refused_round".into(), json!(round));
+                probe.insert("put".into(), json!(e.kind()));
+                probe_the_rest(&mut probe);
+                let probe = Value::Object(probe);
+                log::info(format!("stale-probe {probe}"));
+                return Ok(probe);
+            }
+        }
+    }
+    Err(Error::fail(format!(
+        "all {rounds} puts succeeded: the attempt never lost its job"
+    )))
+}
+
+/// Calls every other effect once and notes what each answered.
+fn probe_the_rest(out: &mut Map<String, Value>) {
+    let mut note = |name: &str, result: Result<(), EffectError>| {
+        let answer = match result {
+            Ok(()) => "ok",
+            Err(e) => e.kind(),
+        };
+        out.insert(name.to_owned(), json!(answer));
+    };
+    note("kv_get", kv::get("counter").map(drop));
+    note(
+        "kv_insert_if_absent",
+        kv::insert_if_absent("probe", b"1").map(drop),
+    );
+    note("kv_delete", kv::delete("counter").map(drop));
+    note(
+        "index_upsert",
+        index::upsert("docs", "probe", r#"{"id":"probe"}"#, 1).map(drop),
+    );
+    note("index_remove", index::remove("docs", "probe", 2).map(drop));
+    note("index_get", index::get("docs", "probe").map(drop));
+    let message = email::Message::new("stale", "sent by a stale attempt").to("ops@example.com");
+    note("email_send", email::send("stale:probe", &message).map(drop));
+    let request = http::post("payments", "/v1/charges")
+        .header("content-type", "application/json")
+        .body(br#"{"order_id":0,"amount":1}"#.to_vec());
+    note("http_send", http::send("stale:probe", request).map(drop));
+}
+
+fn text(value: Option<Vec<u8>>) -> Value {
+    value.map_or(Value::Null, |bytes| {
+        json!(String::from_utf8_lossy(&bytes).into_owned())
+    })
+}
+
+fn number_or(payload: &Value, field: &str, default: u64) -> u64 {
+    payload
+        .get(field)
+        .and_then(Value::as_u64)
+        .unwrap_or(default)
+}
