@@ -367,3 +367,35 @@ async fn kv_and_index_effects_of_the_example_plugin() {
     assert_eq!(v["version"], 200);
     assert_eq!(v["document"]["price"], 10.0);
 }
+
+#[tokio::test]
+async fn rate_limit_bounds_attempts_started_per_window() {
+    let config = r#"
+[queues.limited]
+plugin = "echo"
+concurrency = 8
+rate_limit = { max = 3, per = "1s" }
+"#;
+    let d = Daemon::start_new(config, &[("echo", "echo")]).await;
+    d.wait_plugin("limited").await;
+    let mut ids = Vec::new();
+    for i in 0..9 {
+        ids.push(d.enqueue("limited", payload(json!({"n": i}))).await);
+    }
+    let mut started = Vec::new();
+    for id in &ids {
+        let j = d.wait_state(id, "completed", 30).await;
+        let at = &j["attempts"][0]["started_at"];
+        started.push(humantime::parse_rfc3339(at.as_str().unwrap()).unwrap());
+    }
+    started.sort();
+    // Any 4 consecutive starts span at least the window (less a little for
+    // the millisecond rounding of recorded times).
+    for w in started.windows(4) {
+        let span = w[3].duration_since(w[0]).unwrap();
+        assert!(
+            span >= std::time::Duration::from_millis(950),
+            "4 attempts started within {span:?}: {started:?}"
+        );
+    }
+}

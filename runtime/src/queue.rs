@@ -126,6 +126,46 @@ impl QueueRuntime {
     }
 }
 
+/// A queue's `rate_limit`, as BullMQ's limiter: at most `max` attempts start
+/// in any window of `per`.
+struct Limiter {
+    max: usize,
+    per: Duration,
+    /// When the attempts of the current window started, oldest first; never
+    /// more than `max`.
+    starts: std::collections::VecDeque<tokio::time::Instant>,
+}
+
+impl Limiter {
+    fn new(limit: &config::RateLimit) -> Limiter {
+        Limiter {
+            max: usize::try_from(limit.max.max(1)).unwrap_or(usize::MAX),
+            per: limit.per,
+            starts: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// How many attempts may start now, or how long until one may.
+    fn room(&mut self, now: tokio::time::Instant) -> Result<u32, Duration> {
+        while let Some(&oldest) = self.starts.front() {
+            if now.duration_since(oldest) < self.per {
+                break;
+            }
+            self.starts.pop_front();
+        }
+        match self.starts.front() {
+            Some(&oldest) if self.starts.len() >= self.max => {
+                Err(self.per.saturating_sub(now.duration_since(oldest)))
+            }
+            _ => Ok(u32::try_from(self.max - self.starts.len()).unwrap_or(u32::MAX)),
+        }
+    }
+
+    fn started(&mut self, n: usize, now: tokio::time::Instant) {
+        self.starts.extend(std::iter::repeat_n(now, n));
+    }
+}
+
 /// The providers every queue's effects reach, built once from jobs.toml.
 #[derive(Debug, Clone)]
 pub struct Outside {
@@ -264,6 +304,7 @@ impl Queues {
     async fn dispatch(self: Arc<Self>, q: Arc<QueueRuntime>, stop: Stop) {
         let name = q.config.name.clone();
         let slots = Arc::new(Semaphore::new(q.config.concurrency as usize));
+        let mut limiter = q.config.rate_limit.as_ref().map(Limiter::new);
         let mut attempts = JoinSet::new();
         loop {
             while attempts.try_join_next().is_some() {}
@@ -278,9 +319,22 @@ impl Queues {
                 p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
                 () = stop.drain.cancelled() => break,
             };
-            let want = u32::try_from(slots.available_permits() + 1)
+            let mut want = u32::try_from(slots.available_permits() + 1)
                 .unwrap_or(LEASE_BATCH)
                 .min(LEASE_BATCH);
+            if let Some(limiter) = &mut limiter {
+                match limiter.room(tokio::time::Instant::now()) {
+                    Ok(room) => want = want.min(room),
+                    Err(wait) => {
+                        drop(first);
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            () = stop.drain.cancelled() => break,
+                        }
+                        continue;
+                    }
+                }
+            }
             let now = self.clock.now();
             let leases = match self.store.lease(&name, want, now).await {
                 Ok(l) => l,
@@ -307,6 +361,9 @@ impl Queues {
                     () = stop.drain.cancelled() => break,
                 }
                 continue;
+            }
+            if let Some(limiter) = &mut limiter {
+                limiter.started(leases.len(), tokio::time::Instant::now());
             }
             let mut first = Some(first);
             for lease in leases {
