@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 
 use crate::job::{Attempt, Enqueued, Job, JobState, Millis, NewJob, canonical_json};
 use crate::queue::Queues;
+use crate::schedule::Schedules;
 use crate::store::{Fence, FenceId, FenceState, JobFilter, Resolution, Store, StoreError};
 
 /// Most jobs in one batch enqueue.
@@ -32,6 +33,7 @@ pub const MAX_BATCH: usize = 1000;
 pub struct AppState {
     pub store: Arc<dyn Store>,
     pub queues: Arc<Queues>,
+    pub schedules: Arc<Schedules>,
     pub token: Option<Arc<str>>,
     pub metrics: Option<PrometheusHandle>,
 }
@@ -115,6 +117,7 @@ pub fn router(state: AppState) -> Router {
     let api = api.route("/v1/test/clock", post(advance_clock));
     let api = api
         .route("/v1/queues", get(list_queues))
+        .route("/v1/schedules", get(list_schedules))
         .route("/v1/queues/{queue}/jobs", post(enqueue))
         .route("/v1/queues/{queue}/jobs/batch", post(enqueue_batch))
         .route("/v1/jobs", get(list_jobs))
@@ -440,6 +443,10 @@ impl<'a> JobView<'a> {
             effects: Vec::new(),
         }
     }
+}
+
+async fn list_schedules(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({"schedules": state.schedules.views(state.queues.now())}))
 }
 
 async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {

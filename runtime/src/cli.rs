@@ -184,6 +184,11 @@ pub enum Command {
         #[command(flatten)]
         output: OutputArgs,
     },
+    /// List the schedules with their next and last fire times
+    Schedules {
+        #[command(flatten)]
+        output: OutputArgs,
+    },
     /// List the fences of effects (the uncertain ones need an operator)
     Fences(FencesArgs),
     /// Act on one fence
@@ -559,6 +564,14 @@ async fn run_client(
                 pretty(&answer)
             } else {
                 render_queues(&answer)
+            }
+        }
+        Command::Schedules { output } => {
+            let answer = client.schedules().await?;
+            if output.json {
+                pretty(&answer)
+            } else {
+                render_schedules(&answer)
             }
         }
         Command::Fences(args) => {
@@ -941,6 +954,11 @@ impl Client {
         self.call(Method::GET, &["v1", "queues"], |r| r).await
     }
 
+    /// `GET /v1/schedules`: `{schedules}`.
+    pub async fn schedules(&self) -> Result<Value, ClientError> {
+        self.call(Method::GET, &["v1", "schedules"], |r| r).await
+    }
+
     /// `GET /v1/fences`: `{fences}`.
     pub async fn fences(
         &self,
@@ -1257,6 +1275,46 @@ fn render_jobs(page: &Value) -> String {
 fn render_job_state(job: &Value, id: &str) -> String {
     let id = job["id"].as_str().unwrap_or(id);
     format!("{id}: {}\n", text(&job["state"]))
+}
+
+fn render_schedules(answer: &Value) -> String {
+    let schedules = answer["schedules"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    if schedules.is_empty() {
+        return "no schedules\n".to_owned();
+    }
+    let any_error = schedules.iter().any(|s| !s["last_error"].is_null());
+    let mut headers = vec![
+        "NAME",
+        "QUEUE",
+        "CRON",
+        "TIMEZONE",
+        "NEXT FIRE",
+        "LAST FIRE",
+    ];
+    if any_error {
+        headers.push("LAST ERROR");
+    }
+    let rows: Vec<Vec<String>> = schedules
+        .iter()
+        .map(|s| {
+            let mut row = vec![
+                cell(&s["name"]),
+                cell(&s["queue"]),
+                cell(&s["cron"]),
+                cell(&s["timezone"]),
+                cell(&s["next_fire"]),
+                cell(&s["last_fire"]),
+            ];
+            if any_error {
+                row.push(cell(&s["last_error"]));
+            }
+            row
+        })
+        .collect();
+    table("", &headers, &rows)
 }
 
 fn render_queues(answer: &Value) -> String {

@@ -385,6 +385,18 @@ pub struct Schedule {
     pub catch_up: CatchUp,
 }
 
+/// Parses a cron line of `[schedules.NAME] cron`.
+pub fn parse_cron(s: &str) -> Result<croner::Cron, String> {
+    <croner::Cron as std::str::FromStr>::from_str(s)
+        .map_err(|e| format!("{s:?} is not a valid cron line: {e}"))
+}
+
+/// Parses `[schedules.NAME] timezone`.
+pub fn parse_timezone(s: &str) -> Result<chrono_tz::Tz, String> {
+    <chrono_tz::Tz as std::str::FromStr>::from_str(s)
+        .map_err(|_| format!("{s:?} is not an IANA time zone name such as \"Europe/Berlin\""))
+}
+
 /// Which firings missed while the daemon was down are enqueued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CatchUp {
@@ -1542,6 +1554,11 @@ impl<'a> Checker<'a> {
         let cron = match &raw.cron {
             Some(cron) => {
                 let fields = cron.get_ref().split_whitespace().count();
+                if fields == 5
+                    && let Err(message) = parse_cron(cron.get_ref())
+                {
+                    self.issue(&join(key, "cron"), Some(cron.span()), message);
+                }
                 if fields != 5 {
                     self.issue(
                         &join(key, "cron"),
@@ -1576,7 +1593,12 @@ impl<'a> Checker<'a> {
                 );
                 "UTC".to_owned()
             }
-            Some(tz) => tz.get_ref().trim().to_owned(),
+            Some(tz) => {
+                if let Err(message) = parse_timezone(tz.get_ref().trim()) {
+                    self.issue(&join(key, "timezone"), Some(tz.span()), message);
+                }
+                tz.get_ref().trim().to_owned()
+            }
             None => "UTC".to_owned(),
         };
         let payload = match &raw.payload {

@@ -22,6 +22,7 @@ use crate::effects::http::Providers;
 use crate::host::{Capability, Host, Plugin, PoolSize};
 use crate::job::Millis;
 use crate::queue::{Clock, Outside, Queues, Stop};
+use crate::schedule::Schedules;
 use crate::store::Store;
 use crate::store::sqlite::SqliteStore;
 
@@ -205,9 +206,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .install_recorder()
         .map_err(|e| tracing::warn!(error = %e, "metrics recorder not installed"))
         .ok();
+    let schedules =
+        Arc::new(Schedules::new(&config).map_err(|e| anyhow::anyhow!("schedules: {e}"))?);
     let state = AppState {
         store: Arc::clone(&store),
         queues: Arc::clone(&queues),
+        schedules: Arc::clone(&schedules),
         token: config.daemon.token.as_deref().map(Arc::from),
         metrics,
     };
@@ -219,6 +223,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let stop = Stop::default();
     let shutdown = CancellationToken::new();
     let dispatcher = tokio::spawn(Arc::clone(&queues).run(stop.clone()));
+    let scheduler = tokio::spawn(Arc::clone(&schedules).run(
+        Arc::clone(&store),
+        Arc::clone(&queues),
+        shutdown.clone(),
+    ));
     let api_shutdown = shutdown.clone();
     let server = tokio::spawn(async move {
         axum::serve(listener, api::router(state))
@@ -248,6 +257,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         }
     }
     let _ = server.await;
+    let _ = scheduler.await;
     background.abort();
     tracing::info!("stopped");
     Ok(())

@@ -14,6 +14,8 @@
 //!   the binding of the WIT imports to [`effects`].
 //! - [`queue`]: the dispatcher: leasing, running attempts under the queue's
 //!   concurrency, backoff, and the attempt's end.
+//! - [`schedule`]: `[schedules.NAME]`: cron entries that enqueue a job per
+//!   fire time, each under an id that makes it once.
 //! - [`api`]: the HTTP API (axum): routes, auth, errors, metrics.
 //! - [`daemon`]: `khata serve` and `khata check`: wiring it all together.
 //! - [`cli`]: the command line and the API client.
@@ -26,4 +28,5 @@ pub mod effects;
 pub mod host;
 pub mod job;
 pub mod queue;
+pub mod schedule;
 pub mod store;
