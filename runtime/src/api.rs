@@ -106,8 +106,9 @@ type ApiResult<T> = Result<T, ApiError>;
 pub fn router(state: AppState) -> Router {
     let body_limit = state
         .queues
+        .list()
         .iter()
-        .map(|q| q.config.max_payload)
+        .map(|q| q.config().max_payload)
         .max()
         .unwrap_or(1 << 20)
         .saturating_mul(2)
@@ -230,7 +231,7 @@ fn new_job(
             format!("no queue named {queue:?} in jobs.toml"),
         )
     })?;
-    let cfg = &q.config;
+    let cfg = q.config();
     let payload = canonical_json(&body.payload);
     if payload.len() as u64 > cfg.max_payload {
         return Err(ApiError::new(
@@ -630,21 +631,24 @@ async fn list_queues(State(state): State<AppState>) -> ApiResult<Json<Value>> {
         .await?
         .into_iter()
         .collect();
-    let mut queues: Vec<_> = state.queues.iter().collect();
-    queues.sort_by(|a, b| a.config.name.cmp(&b.config.name));
-    let list: Vec<Value> = queues
+    let list: Vec<Value> = state
+        .queues
+        .list()
         .into_iter()
         .map(|q| {
             let slot = q.plugin();
+            let config = q.config();
             json!({
-                "name": q.config.name,
-                "plugin": q.config.plugin,
-                "namespace": q.config.namespace,
-                "concurrency": q.config.concurrency,
-                "version": slot.plugin.as_ref().map(|p| p.version.clone()),
+                "name": config.name,
+                "plugin": config.plugin,
+                "namespace": config.namespace,
+                "concurrency": config.concurrency,
+                "version": slot.plugin.as_ref().map(|p| p.short_version().to_owned()),
+                "sha256": slot.plugin.as_ref().map(|p| p.version.clone()),
                 "loaded_at": slot.plugin.as_ref().map(|p| time(p.loaded_at)),
+                "code": slot.plugin.as_ref().map(|p| p.code.as_str()),
                 "load_error": slot.error,
-                "counts": counts.get(&q.config.name).cloned().unwrap_or_default(),
+                "counts": counts.get(&config.name).cloned().unwrap_or_default(),
             })
         })
         .collect();

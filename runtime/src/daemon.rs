@@ -2,32 +2,41 @@
 //! queues and API.
 //!
 //! Start-up order: read jobs.toml, open the ledger (taking its lock), recover
-//! the attempts a crash left active, load plugins, start the dispatchers,
-//! listen. Shutdown (SIGTERM, SIGINT): stop listening and leasing, give the
-//! attempts in flight `shutdown_grace`, interrupt the rest (their jobs go back
-//! to waiting, uncounted), and close the ledger.
+//! the attempts a crash left active, watch `plugins_dir` and load plugins
+//! (compiled code comes from the cache in `data_dir/code-cache` when it can),
+//! start the dispatchers, listen. Shutdown (SIGTERM, SIGINT): stop listening
+//! and leasing, give the attempts in flight `shutdown_grace`, interrupt the
+//! rest (their jobs go back to waiting, uncounted), and close the ledger.
+//!
+//! SIGHUP reloads jobs.toml: queues added, changed or removed take effect
+//! (see [`Queues::reconfigure`]), and so do `[retention]`, `[email]` and
+//! `[http.*]`; `[daemon]` and `[store]` are read at start only (a change
+//! is logged as waiting for a restart). A file that does not
+//! parse or validate, or asks for more than the instance pool sized at start
+//! can give, is refused with its errors logged, and the running
+//! configuration stays.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, AppState};
-use crate::config::{Backend, Config, Grants, Queue};
+use crate::config::{Backend, Config};
 use crate::effects::email::Mailer;
 use crate::effects::http::Providers;
-use crate::host::{Capability, Host, Plugin, PoolSize};
+use crate::host::{Host, PoolSize};
 use crate::job::Millis;
-use crate::queue::{Clock, Outside, Queues, Stop};
+use crate::plugins::{Loader, ScanKind, Watch, check_grants, plugin_path};
+use crate::queue::{Clock, Outside, Queues, Reconfigured, Stop};
 use crate::schedule::Schedules;
 use crate::store::Store;
 use crate::store::sqlite::SqliteStore;
 
-/// How often the plugins directory is looked at for new or changed files.
-const PLUGIN_POLL: Duration = Duration::from_secs(2);
+/// The compiled-code cache, under `data_dir`.
+const CODE_CACHE: &str = "code-cache";
 /// How often the retention sweep runs, and the most rows it removes per pass.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 const SWEEP_LIMIT: u32 = 1000;
@@ -54,7 +63,8 @@ pub fn check(config_path: &Path) -> anyhow::Result<bool> {
             return Ok(false);
         }
     };
-    let host = Host::new(&pool_size(&config))?;
+    // No code cache: `check` writes nothing.
+    let host = Host::new(&pool_size(&config), None)?;
     let mut ok = true;
     if let Err(e) = check_supported(&config) {
         eprintln!("{e}");
@@ -71,7 +81,7 @@ pub fn check(config_path: &Path) -> anyhow::Result<bool> {
                 "queue {:?}: plugin {:?} ok (version {})",
                 q.name,
                 q.plugin,
-                &p.version[..12]
+                p.short_version()
             ),
             Err(e) => {
                 ok = false;
@@ -98,10 +108,6 @@ fn init_tracing() {
     };
 }
 
-fn plugin_path(config: &Config, q: &Queue) -> PathBuf {
-    config.daemon.plugins_dir.join(format!("{}.wasm", q.plugin))
-}
-
 fn pool_size(config: &Config) -> PoolSize {
     let concurrency: u32 = config.queues.values().map(|q| q.concurrency).sum();
     PoolSize {
@@ -113,37 +119,6 @@ fn pool_size(config: &Config) -> PoolSize {
             .map(|q| q.memory)
             .max()
             .unwrap_or(64 << 20),
-    }
-}
-
-/// Whether the queue's grants cover every khata interface the plugin imports.
-pub fn check_grants(q: &Queue, plugin: &Plugin) -> Result<(), String> {
-    let missing: Vec<String> = plugin
-        .imports
-        .iter()
-        .filter(|c| !granted(&q.grants, **c))
-        .map(|c| c.interface())
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "plugin {:?} imports {} but queue {:?} is not granted {}",
-            q.plugin,
-            missing.join(", "),
-            q.name,
-            if missing.len() == 1 { "it" } else { "them" }
-        ))
-    }
-}
-
-fn granted(g: &Grants, c: Capability) -> bool {
-    match c {
-        Capability::Kv => g.kv,
-        Capability::Index => !g.index.is_empty(),
-        Capability::Email => g.email,
-        Capability::Http => !g.http.is_empty(),
-        Capability::Log => true,
     }
 }
 
@@ -191,16 +166,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
             "recovered jobs whose attempts were abandoned by the previous run"
         );
     }
-    let host = Arc::new(Host::new(&pool_size(&config))?);
+    let host = Arc::new(Host::new(
+        &pool_size(&config),
+        Some(&data_dir.join(CODE_CACHE)),
+    )?);
+    let outside = outside(&config)?;
     let queues = Arc::new(Queues::new(
         Arc::clone(&store),
         Arc::clone(&host),
         clock(),
         config.queues.values().cloned(),
-        &outside(&config)?,
+        &outside,
     ));
-    let mut watcher = PluginWatcher::default();
-    watcher.poll(&config, &host, &queues);
+    // Watch first, so that a change during the first scan is not missed.
+    let watch = Watch::start(&config.daemon.plugins_dir);
+    let mut loader = Loader::default();
+    loader.scan(&config, &host, &queues, ScanKind::Full);
 
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
@@ -215,6 +196,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
         token: config.daemon.token.as_deref().map(Arc::from),
         metrics,
     };
+    // Before anything can send it: SIGHUP's default action ends the process.
+    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(
+            |e| tracing::warn!(error = %e, "SIGHUP cannot be handled: no configuration reload"),
+        )
+        .ok();
     let listener = tokio::net::TcpListener::bind(config.daemon.listen)
         .await
         .with_context(|| format!("listening on {} (daemon.listen)", config.daemon.listen))?;
@@ -235,11 +222,15 @@ async fn run(config: Config) -> anyhow::Result<()> {
             .await
     });
     let background = tokio::spawn(background(
-        config.clone(),
-        Arc::clone(&store),
-        Arc::clone(&host),
-        Arc::clone(&queues),
-        watcher,
+        Running {
+            config: config.clone(),
+            outside,
+            store: Arc::clone(&store),
+            host: Arc::clone(&host),
+            queues: Arc::clone(&queues),
+        },
+        (loader, watch),
+        hangup,
         shutdown.clone(),
     ));
 
@@ -273,101 +264,164 @@ async fn wait_for_signal() {
     }
 }
 
-/// The periodic chores: plugin changes, retention, the progress line.
-async fn background(
+/// What the background chores work on; a reload replaces `config` and
+/// `outside`.
+struct Running {
     config: Config,
+    outside: Outside,
     store: Arc<dyn Store>,
     host: Arc<Host>,
     queues: Arc<Queues>,
-    mut watcher: PluginWatcher,
+}
+
+/// The background chores: plugin changes, configuration reloads, retention,
+/// the progress line.
+async fn background(
+    mut run: Running,
+    (loader, mut watch): (Loader, Watch),
+    mut hangup: Option<tokio::signal::unix::Signal>,
     shutdown: CancellationToken,
 ) {
-    let mut plugin_tick = tokio::time::interval(PLUGIN_POLL);
+    let mut loader = Some(loader);
     let mut sweep_tick = tokio::time::interval(SWEEP_EVERY);
     let mut progress_tick = tokio::time::interval(Duration::from_secs(5));
     let mut last_completed = 0;
     loop {
-        tokio::select! {
+        let scan = tokio::select! {
             () = shutdown.cancelled() => return,
-            _ = plugin_tick.tick() => {
-                let (config, host, queues) = (config.clone(), Arc::clone(&host), Arc::clone(&queues));
-                watcher = tokio::task::spawn_blocking(move || { watcher.poll(&config, &host, &queues); watcher })
-                    .await
-                    .unwrap_or_default();
+            kind = watch.next() => Some(kind),
+            Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                match reload(&mut run) {
+                    Ok(done) => {
+                        if let Some(l) = loader.as_mut() {
+                            for name in done.added.iter().chain(&done.reload_plugin) {
+                                l.forget(name);
+                            }
+                        }
+                        Some(ScanKind::Full)
+                    }
+                    Err(e) => {
+                        tracing::error!(config = %run.config.path.display(), "configuration reload refused; the running configuration stays: {e}");
+                        None
+                    }
+                }
             }
             _ = sweep_tick.tick() => {
-                match store.sweep(Millis::now(), config.retention.jobs, config.retention.fences, SWEEP_LIMIT).await {
+                let retention = &run.config.retention;
+                match run.store.sweep(Millis::now(), retention.jobs, retention.fences, SWEEP_LIMIT).await {
                     Ok(s) if s.jobs + s.fences + s.dedup_keys > 0 => tracing::info!(jobs = s.jobs, fences = s.fences, dedup_keys = s.dedup_keys, "retention sweep"),
                     Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "retention sweep failed"),
                 }
+                None
             }
             _ = progress_tick.tick() => {
-                let done = queues.completed();
+                let done = run.queues.completed();
                 if done != last_completed {
-                    let waiting: u64 = store.counts(Millis::now()).await.map(|c| c.iter().map(|(_, c)| c.waiting + c.delayed).sum()).unwrap_or(0);
+                    let waiting: u64 = run.store.counts(Millis::now()).await.map(|c| c.iter().map(|(_, c)| c.waiting + c.delayed).sum()).unwrap_or(0);
                     tracing::info!(completed = done, per_second = (done - last_completed) / 5, waiting, "progress");
                     last_completed = done;
                 }
+                None
             }
+        };
+        if let Some(kind) = scan {
+            let (config, host, queues) = (
+                run.config.clone(),
+                Arc::clone(&run.host),
+                Arc::clone(&run.queues),
+            );
+            let mut l = loader.take().unwrap_or_default();
+            loader = tokio::task::spawn_blocking(move || {
+                l.scan(&config, &host, &queues, kind);
+                l
+            })
+            .await
+            .ok();
         }
     }
 }
 
-/// Loads each queue's plugin when its file appears or changes.
-#[derive(Default)]
-struct PluginWatcher {
-    /// (modified, length) of each plugin file as last loaded or refused.
-    seen: HashMap<PathBuf, Option<(SystemTime, u64)>>,
-}
-
-impl PluginWatcher {
-    fn poll(&mut self, config: &Config, host: &Host, queues: &Queues) {
-        let mut loaded: HashMap<PathBuf, Result<Arc<Plugin>, String>> = HashMap::new();
-        for q in config.queues.values() {
-            let path = plugin_path(config, q);
-            let stamp = std::fs::metadata(&path)
-                .ok()
-                .map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
-            let Some(rt) = queues.get(&q.name) else {
-                continue;
-            };
-            if self.seen.get(&path).is_some_and(|s| *s == stamp) {
-                continue;
-            }
-            let result = match stamp {
-                None => Err(format!(
-                    "plugin file {} is missing; the queue's jobs wait until it appears",
-                    path.display()
-                )),
-                Some(_) => loaded
-                    .entry(path.clone())
-                    .or_insert_with(|| {
-                        host.load_file(&q.plugin, &path)
-                            .map(Arc::new)
-                            .map_err(|e| e.to_string())
-                    })
-                    .clone(),
-            };
-            let result = result.and_then(|p| check_grants(q, &p).map(|()| p));
-            match &result {
-                Ok(p) => {
-                    tracing::info!(queue = %q.name, plugin = %q.plugin, version = &p.version[..12], "plugin loaded")
-                }
-                Err(e) => {
-                    tracing::error!(queue = %q.name, error = %e, "plugin refused; the previous version, if any, keeps serving")
-                }
-            }
-            rt.set_plugin(result);
-        }
-        for q in config.queues.values() {
-            let path = plugin_path(config, q);
-            let stamp = std::fs::metadata(&path)
-                .ok()
-                .map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
-            self.seen.insert(path, stamp);
+/// SIGHUP: reads jobs.toml again and applies it, or refuses it whole.
+fn reload(run: &mut Running) -> Result<Reconfigured, String> {
+    let new = Config::load(&run.config.path).map_err(|e| e.to_string())?;
+    check_supported(&new)?;
+    let path = new.path.display();
+    // The instance pool is sized at start.
+    let pool = run.host.pool();
+    let concurrency: u32 = new.queues.values().map(|q| q.concurrency).sum();
+    if concurrency > pool.instances {
+        return Err(format!(
+            "{path}: the queues' concurrency adds up to {concurrency}, more than the {} attempts at once that this daemon's instance pool was sized for at start; restart khata to apply it",
+            pool.instances
+        ));
+    }
+    if let Some(q) = new.queues.values().find(|q| q.memory > pool.max_memory) {
+        return Err(format!(
+            "{path}: queue {:?}: memory = {} is more than the {} this daemon's instance pool was sized for at start; restart khata to apply it",
+            q.name,
+            bytesize::ByteSize(q.memory),
+            bytesize::ByteSize(pool.max_memory)
+        ));
+    }
+    let old = &run.config;
+    let outside_now = if new.email != old.email || new.http != old.http {
+        Some(outside(&new).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    for (key, same) in [
+        (
+            "daemon.data_dir",
+            new.daemon.data_dir == old.daemon.data_dir,
+        ),
+        (
+            "daemon.plugins_dir",
+            new.daemon.plugins_dir == old.daemon.plugins_dir,
+        ),
+        ("daemon.listen", new.daemon.listen == old.daemon.listen),
+        ("daemon.token", new.daemon.token == old.daemon.token),
+        (
+            "daemon.shutdown_grace",
+            new.daemon.shutdown_grace == old.daemon.shutdown_grace,
+        ),
+        ("store", new.store == old.store),
+    ] {
+        if !same {
+            tracing::warn!(
+                key,
+                "changed in jobs.toml; takes effect at the next restart"
+            );
         }
     }
+    if let Some(o) = outside_now {
+        run.outside = o;
+    }
+    let done = run
+        .queues
+        .reconfigure(new.queues.values().cloned(), &run.outside);
+    for name in &done.reload_plugin {
+        if let Some(q) = run.queues.get(name) {
+            q.unload_plugin(format!(
+                "the configuration changed the queue's plugin or grants; loading plugin {:?} again",
+                q.config().plugin
+            ));
+        }
+    }
+    tracing::info!(
+        added = ?done.added,
+        changed = ?done.changed,
+        removed = ?done.removed,
+        "configuration reloaded"
+    );
+    // What is read at start only stays as it runs.
+    let (daemon, store) = (run.config.daemon.clone(), run.config.store.clone());
+    run.config = Config {
+        daemon,
+        store,
+        ..new
+    };
+    Ok(done)
 }
 
 /// The system clock; in `failpoints` builds one that tests can move forward

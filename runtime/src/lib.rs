@@ -16,6 +16,8 @@
 //!   concurrency, backoff, and the attempt's end.
 //! - [`schedule`]: `[schedules.NAME]`: cron entries that enqueue a job per
 //!   fire time, each under an id that makes it once.
+//! - [`plugins`]: the plugin life cycle: watching `plugins_dir`, loading
+//!   versions by content hash, grant checks at load time.
 //! - [`api`]: the HTTP API (axum): routes, auth, errors, metrics.
 //! - [`daemon`]: `khata serve` and `khata check`: wiring it all together.
 //! - [`cli`]: the command line and the API client.
@@ -27,6 +29,7 @@ pub mod daemon;
 pub mod effects;
 pub mod host;
 pub mod job;
+pub mod plugins;
 pub mod queue;
 pub mod schedule;
 pub mod store;

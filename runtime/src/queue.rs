@@ -10,15 +10,20 @@
 //!   handler's outcome, or with `Interrupted` when a shutdown stops it. An
 //!   attempt whose job was cancelled meanwhile is fenced and changes nothing.
 //! - A queue whose plugin is missing or refused leases nothing: its jobs wait.
+//! - A configuration reload ([`Queues::reconfigure`]) changes a queue in
+//!   place: attempts in flight keep the settings, scope and plugin they
+//!   started with; a lower `concurrency` takes effect as slots free up, so
+//!   the limit holds across the change. A removed queue stops leasing and
+//!   its attempts in flight finish; its jobs stay in the ledger.
 //! - Time comes from a [`Clock`], so that delays and backoff follow an
 //!   injected clock where one is given.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -34,8 +39,9 @@ use crate::store::{Store, StoreError};
 const LEASE_BATCH: u32 = 64;
 /// Longest idle wait before a queue looks for due jobs again.
 const IDLE_POLL: Duration = Duration::from_secs(1);
-/// Log bytes kept per attempt.
+/// Log bytes and lines kept per attempt.
 const LOG_BUDGET: usize = 64 * 1024;
+const LOG_LINES: usize = 1024;
 
 /// The source of time for the queue.
 pub trait Clock: Send + Sync + 'static {
@@ -87,12 +93,46 @@ pub struct PluginSlot {
     pub error: Option<String>,
 }
 
+/// A queue's configuration and the scope its effects run in; replaced as a
+/// whole by a reload, read once per attempt.
+#[derive(Clone, Debug)]
+struct Settings {
+    config: Arc<config::Queue>,
+    scope: Arc<Scope>,
+}
+
+impl Settings {
+    fn new(q: config::Queue, outside: &Outside) -> Settings {
+        Settings {
+            scope: Arc::new(Scope {
+                queue: q.name.clone(),
+                namespace: q.namespace.clone(),
+                grants: q.grants.clone(),
+                on_uncertain: q.on_uncertain,
+                mailer: outside.mailer.clone(),
+                providers: Arc::clone(&outside.providers),
+                email_from: outside.email_from.clone(),
+            }),
+            config: Arc::new(q),
+        }
+    }
+}
+
 /// One configured queue at run time.
 pub struct QueueRuntime {
-    pub config: Arc<config::Queue>,
-    scope: Arc<Scope>,
+    name: String,
+    settings: RwLock<Settings>,
+    /// One permit per attempt that may run at once.
+    slots: Arc<Semaphore>,
+    /// The concurrency the slots were last set to.
+    concurrency: Mutex<u32>,
+    /// Slots still to take away after a lower concurrency: taken as the
+    /// attempts holding them end.
+    owed: Arc<AtomicUsize>,
     plugin: RwLock<PluginSlot>,
     wake: Notify,
+    /// Cancelled when a reload removes the queue: it stops leasing.
+    retired: CancellationToken,
     /// Cancel tokens of the attempts running now, by job id.
     running: Mutex<HashMap<String, CancellationToken>>,
 }
@@ -100,14 +140,103 @@ pub struct QueueRuntime {
 impl std::fmt::Debug for QueueRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QueueRuntime")
-            .field("name", &self.config.name)
+            .field("name", &self.name)
             .finish_non_exhaustive()
     }
 }
 
 impl QueueRuntime {
+    fn new(q: config::Queue, outside: &Outside) -> QueueRuntime {
+        let concurrency = q.concurrency;
+        QueueRuntime {
+            name: q.name.clone(),
+            settings: RwLock::new(Settings::new(q, outside)),
+            slots: Arc::new(Semaphore::new(concurrency as usize)),
+            concurrency: Mutex::new(concurrency),
+            owed: Arc::new(AtomicUsize::new(0)),
+            plugin: RwLock::new(PluginSlot::default()),
+            wake: Notify::new(),
+            retired: CancellationToken::new(),
+            running: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The queue's configuration now (a reload may replace it).
+    pub fn config(&self) -> Arc<config::Queue> {
+        self.settings().config
+    }
+
+    fn settings(&self) -> Settings {
+        match self.settings.read() {
+            Ok(s) => s.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Applies a reloaded configuration. Attempts in flight keep theirs.
+    fn reconfigure(&self, q: config::Queue, outside: &Outside) {
+        self.set_concurrency(q.concurrency);
+        let settings = Settings::new(q, outside);
+        match self.settings.write() {
+            Ok(mut s) => *s = settings,
+            Err(poisoned) => *poisoned.into_inner() = settings,
+        }
+        self.wake.notify_one();
+    }
+
+    /// Grows the slots at once; shrinks them at once by the free slots and,
+    /// for the rest, as attempts in flight end (a collector takes those
+    /// permits, in turn with the dispatcher, and forgets them).
+    fn set_concurrency(&self, target: u32) {
+        let Ok(mut current) = self.concurrency.lock() else {
+            return;
+        };
+        if target > *current {
+            let more = (target - *current) as usize;
+            // First cancel slots still owed from an earlier decrease.
+            let owed = self.owed.load(Ordering::SeqCst);
+            let repaid = more.min(owed);
+            self.owed.fetch_sub(repaid, Ordering::SeqCst);
+            self.slots.add_permits(more - repaid);
+        } else if target < *current {
+            let fewer = (*current - target) as usize;
+            let rest = fewer - self.slots.forget_permits(fewer);
+            if rest > 0 && self.owed.fetch_add(rest, Ordering::SeqCst) == 0 {
+                let (slots, owed) = (Arc::clone(&self.slots), Arc::clone(&self.owed));
+                tokio::spawn(async move {
+                    while owed.load(Ordering::SeqCst) > 0 {
+                        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+                            break;
+                        };
+                        if owed
+                            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                            .is_ok()
+                        {
+                            permit.forget();
+                        }
+                    }
+                });
+            }
+        }
+        *current = target;
+    }
+
     pub fn plugin(&self) -> PluginSlot {
         self.plugin.read().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// Drops the running plugin (its attempts in flight keep it): the queue
+    /// holds its jobs until the next version loads. For a reload that
+    /// changed which plugin the queue runs or what it is granted.
+    pub fn unload_plugin(&self, why: String) {
+        if let Ok(mut slot) = self.plugin.write() {
+            slot.plugin = None;
+            slot.error = Some(why);
+        }
     }
 
     /// Installs a new plugin version (or a load error, keeping the running
@@ -181,7 +310,10 @@ pub struct Queues {
     store: Arc<dyn Store>,
     host: Arc<Host>,
     clock: Arc<dyn Clock>,
-    queues: HashMap<String, Arc<QueueRuntime>>,
+    queues: RwLock<HashMap<String, Arc<QueueRuntime>>>,
+    /// Queues added by a reload, for `run` to start their dispatchers.
+    added_tx: mpsc::UnboundedSender<Arc<QueueRuntime>>,
+    added_rx: Mutex<Option<mpsc::UnboundedReceiver<Arc<QueueRuntime>>>>,
     /// Completed attempts since start, for the progress line.
     completed: AtomicU64,
 }
@@ -189,9 +321,20 @@ pub struct Queues {
 impl std::fmt::Debug for Queues {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Queues")
-            .field("queues", &self.queues.keys())
+            .field("queues", &self.list())
             .finish_non_exhaustive()
     }
+}
+
+/// What a configuration reload changed, by queue name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reconfigured {
+    pub added: Vec<String>,
+    pub changed: Vec<String>,
+    pub removed: Vec<String>,
+    /// Changed queues whose plugin or grants changed: their plugin must be
+    /// loaded (and checked) again.
+    pub reload_plugin: Vec<String>,
 }
 
 /// Tokens that stop the dispatcher: `drain` stops leasing, `interrupt`
@@ -212,40 +355,83 @@ impl Queues {
     ) -> Queues {
         let queues = configs
             .into_iter()
-            .map(|q| {
-                let rt = QueueRuntime {
-                    scope: Arc::new(Scope {
-                        queue: q.name.clone(),
-                        namespace: q.namespace.clone(),
-                        grants: q.grants.clone(),
-                        on_uncertain: q.on_uncertain,
-                        mailer: outside.mailer.clone(),
-                        providers: Arc::clone(&outside.providers),
-                        email_from: outside.email_from.clone(),
-                    }),
-                    config: Arc::new(q),
-                    plugin: RwLock::new(PluginSlot::default()),
-                    wake: Notify::new(),
-                    running: Mutex::new(HashMap::new()),
-                };
-                (rt.config.name.clone(), Arc::new(rt))
-            })
+            .map(|q| (q.name.clone(), Arc::new(QueueRuntime::new(q, outside))))
             .collect();
+        let (added_tx, added_rx) = mpsc::unbounded_channel();
         Queues {
             store,
             host,
             clock,
-            queues,
+            queues: RwLock::new(queues),
+            added_tx,
+            added_rx: Mutex::new(Some(added_rx)),
             completed: AtomicU64::new(0),
         }
     }
 
-    pub fn get(&self, name: &str) -> Option<&Arc<QueueRuntime>> {
-        self.queues.get(name)
+    pub fn get(&self, name: &str) -> Option<Arc<QueueRuntime>> {
+        self.queues.read().ok()?.get(name).cloned()
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<QueueRuntime>> {
-        self.queues.values()
+    /// Every queue, by name.
+    pub fn list(&self) -> Vec<Arc<QueueRuntime>> {
+        let mut list: Vec<_> = self
+            .queues
+            .read()
+            .map(|q| q.values().cloned().collect())
+            .unwrap_or_default();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        list
+    }
+
+    /// Applies a reloaded set of queues: new ones start, changed ones change
+    /// in place, removed ones stop leasing (their attempts in flight end as
+    /// usual). `outside` is the providers the queues' effects reach now.
+    pub fn reconfigure(
+        &self,
+        configs: impl IntoIterator<Item = config::Queue>,
+        outside: &Outside,
+    ) -> Reconfigured {
+        let mut done = Reconfigured::default();
+        let Ok(mut queues) = self.queues.write() else {
+            return done;
+        };
+        let mut keep = std::collections::HashSet::new();
+        for q in configs {
+            keep.insert(q.name.clone());
+            match queues.get(&q.name) {
+                Some(rt) => {
+                    let old = rt.config();
+                    if old.plugin != q.plugin || old.grants != q.grants {
+                        done.reload_plugin.push(q.name.clone());
+                    }
+                    if *old != q {
+                        done.changed.push(q.name.clone());
+                    }
+                    // Always: the providers may have changed under it.
+                    rt.reconfigure(q, outside);
+                }
+                None => {
+                    let rt = Arc::new(QueueRuntime::new(q, outside));
+                    done.added.push(rt.name.clone());
+                    let _ = self.added_tx.send(Arc::clone(&rt));
+                    queues.insert(rt.name.clone(), rt);
+                }
+            }
+        }
+        queues.retain(|name, rt| {
+            let stays = keep.contains(name);
+            if !stays {
+                rt.retired.cancel();
+                done.removed.push(name.clone());
+            }
+            stays
+        });
+        done.added.sort();
+        done.changed.sort();
+        done.removed.sort();
+        done.reload_plugin.sort();
+        done
     }
 
     pub fn now(&self) -> Millis {
@@ -258,7 +444,7 @@ impl Queues {
         if !self.clock.advance(by) {
             return false;
         }
-        for q in self.queues.values() {
+        for q in self.list() {
             q.wake.notify_one();
         }
         true
@@ -270,7 +456,7 @@ impl Queues {
 
     /// Tells a queue that a job may be ready.
     pub fn wake(&self, queue: &str) {
-        if let Some(q) = self.queues.get(queue) {
+        if let Some(q) = self.get(queue) {
             q.wake.notify_one();
         }
     }
@@ -283,7 +469,7 @@ impl Queues {
     /// that window, so that a test can watch its effects being refused.
     pub async fn interrupt(&self, queue: &str, job_id: &str) {
         crate::effects::fenced::failpoint("queue::before_interrupt").await;
-        if let Some(q) = self.queues.get(queue)
+        if let Some(q) = self.get(queue)
             && let Ok(running) = q.running.lock()
             && let Some(token) = running.get(job_id)
         {
@@ -291,33 +477,67 @@ impl Queues {
         }
     }
 
-    /// Runs every queue's dispatcher until `stop.drain`, then waits for the
-    /// attempts in flight; `stop.interrupt` stops those still running.
+    /// Runs every queue's dispatcher (and those a reload adds) until
+    /// `stop.drain`, then waits for the attempts in flight; `stop.interrupt`
+    /// stops those still running.
     pub async fn run(self: Arc<Self>, stop: Stop) {
+        let mut added = self.added_rx.lock().ok().and_then(|mut rx| rx.take());
         let mut loops = JoinSet::new();
-        for q in self.queues.values() {
+        // A queue added before this point is both listed and announced: it
+        // gets one dispatcher. (Kept, not just compared by address, so that
+        // an address is never reused by another queue.)
+        let mut started: Vec<Arc<QueueRuntime>> = self.list();
+        for q in &started {
             loops.spawn(Arc::clone(&self).dispatch(Arc::clone(q), stop.clone()));
         }
-        while loops.join_next().await.is_some() {}
+        loop {
+            tokio::select! {
+                q = async { match added.as_mut() { Some(rx) => rx.recv().await, None => std::future::pending().await } } => match q {
+                    Some(q) if !stop.drain.is_cancelled() && !started.iter().any(|s| Arc::ptr_eq(s, &q)) => {
+                        started.push(Arc::clone(&q));
+                        loops.spawn(Arc::clone(&self).dispatch(q, stop.clone()));
+                    }
+                    Some(_) => {}
+                    None => added = None,
+                },
+                _ = loops.join_next(), if !loops.is_empty() => {}
+                () = stop.drain.cancelled(), if loops.is_empty() => break,
+            }
+        }
     }
 
     async fn dispatch(self: Arc<Self>, q: Arc<QueueRuntime>, stop: Stop) {
-        let name = q.config.name.clone();
-        let slots = Arc::new(Semaphore::new(q.config.concurrency as usize));
-        let mut limiter = q.config.rate_limit.as_ref().map(Limiter::new);
+        let name = q.name.clone();
+        let slots = Arc::clone(&q.slots);
+        // Stops leasing: the daemon drains, or a reload removed the queue.
+        let drain = {
+            let token = CancellationToken::new();
+            let (t, d, r) = (token.clone(), stop.drain.clone(), q.retired.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = d.cancelled() => {}
+                    () = r.cancelled() => {}
+                }
+                t.cancel();
+            });
+            token
+        };
+        // Set at start; a reload that changes `rate_limit` takes effect
+        // when the queue's dispatcher next starts.
+        let mut limiter = q.config().rate_limit.as_ref().map(Limiter::new);
         let mut attempts = JoinSet::new();
         loop {
             while attempts.try_join_next().is_some() {}
             let Some(plugin) = q.plugin().plugin else {
                 tokio::select! {
                     () = q.wake.notified() => {}
-                    () = stop.drain.cancelled() => break,
+                    () = drain.cancelled() => break,
                 }
                 continue;
             };
             let first = tokio::select! {
                 p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-                () = stop.drain.cancelled() => break,
+                () = drain.cancelled() => break,
             };
             let mut want = u32::try_from(slots.available_permits() + 1)
                 .unwrap_or(LEASE_BATCH)
@@ -329,7 +549,7 @@ impl Queues {
                         drop(first);
                         tokio::select! {
                             () = tokio::time::sleep(wait) => {}
-                            () = stop.drain.cancelled() => break,
+                            () = drain.cancelled() => break,
                         }
                         continue;
                     }
@@ -343,7 +563,7 @@ impl Queues {
                     drop(first);
                     tokio::select! {
                         () = tokio::time::sleep(IDLE_POLL) => {}
-                        () = stop.drain.cancelled() => break,
+                        () = drain.cancelled() => break,
                     }
                     continue;
                 }
@@ -358,20 +578,25 @@ impl Queues {
                 tokio::select! {
                     () = q.wake.notified() => {}
                     () = tokio::time::sleep(wait) => {}
-                    () = stop.drain.cancelled() => break,
+                    () = drain.cancelled() => break,
                 }
                 continue;
             }
             if let Some(limiter) = &mut limiter {
                 limiter.started(leases.len(), tokio::time::Instant::now());
             }
+            // The newest version: one swapped in while this loop waited for a
+            // slot or leased runs these jobs (the attempts already running
+            // keep theirs).
+            let plugin = q.plugin().plugin.unwrap_or(plugin);
             let mut first = Some(first);
             for lease in leases {
                 let permit = match first.take() {
                     Some(p) => p,
                     None => match Arc::clone(&slots).try_acquire_owned() {
                         Ok(p) => p,
-                        // Cannot happen: we leased no more than the free slots.
+                        // Only when a lower concurrency from a reload took
+                        // the free slots meanwhile: wait for one.
                         Err(_) => match Arc::clone(&slots).acquire_owned().await {
                             Ok(p) => p,
                             Err(_) => break,
@@ -399,17 +624,13 @@ impl Queues {
         permit: tokio::sync::OwnedSemaphorePermit,
         interrupt: CancellationToken,
     ) {
-        let cfg = &q.config;
+        let Settings { config: cfg, scope } = q.settings();
+        let cfg = &*cfg;
         let cancel = CancellationToken::new();
         if let Ok(mut running) = q.running.lock() {
             running.insert(lease.job_id.clone(), cancel.clone());
         }
-        let effects = Effects::new(
-            Arc::clone(&self.store),
-            Arc::clone(&q.scope),
-            lease.fence(),
-            lease.attempt,
-        );
+        let effects = Effects::new(Arc::clone(&self.store), scope, lease.fence(), lease.attempt);
         let dead_letter = effects.dead_letter_flag();
         let input = JobInput {
             id: lease.job_id.clone(),
@@ -424,6 +645,7 @@ impl Queues {
             memory: cfg.memory,
             max_result: cfg.max_result,
             log_bytes: LOG_BUDGET,
+            log_lines: LOG_LINES,
         };
         let started = std::time::Instant::now();
         let run = self.host.run(plugin, input, effects, &limits);
@@ -519,5 +741,57 @@ fn outcome_label(f: &Finish) -> &'static str {
         Finish::Completed { .. } => "completed",
         Finish::Retry { outcome, .. } | Finish::Fail { outcome, .. } => outcome.as_str(),
         Finish::Interrupted { .. } => "interrupted",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn queue(concurrency: u32) -> QueueRuntime {
+        let text = format!("[queues.q]\nplugin = \"p\"\nconcurrency = {concurrency}\n");
+        let config = config::Config::parse(&text, Path::new("jobs.toml")).expect("config");
+        let outside = Outside {
+            mailer: Err("no email here".into()),
+            providers: Arc::new(Providers::from_config(&Default::default()).expect("providers")),
+            email_from: "khata@localhost".into(),
+        };
+        QueueRuntime::new(config.queues["q"].clone(), &outside)
+    }
+
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lower_concurrency_takes_free_slots_at_once_and_busy_ones_as_they_end() {
+        let q = queue(4);
+        let mut busy: Vec<_> = (0..3)
+            .map(|_| Arc::clone(&q.slots).try_acquire_owned().unwrap())
+            .collect();
+        q.set_concurrency(1);
+        assert_eq!(q.slots.available_permits(), 0, "the free slot went at once");
+        busy.pop();
+        settle().await;
+        assert_eq!(q.slots.available_permits(), 0, "taken by the collector");
+        // Raised again while one slot is still owed: the debt is cancelled first.
+        q.set_concurrency(2);
+        assert_eq!(q.slots.available_permits(), 0);
+        busy.pop();
+        settle().await;
+        assert_eq!(
+            q.slots.available_permits(),
+            1,
+            "one attempt runs, one slot free"
+        );
+        busy.pop();
+        settle().await;
+        assert_eq!(q.slots.available_permits(), 2);
+        q.set_concurrency(5);
+        assert_eq!(q.slots.available_permits(), 5);
     }
 }

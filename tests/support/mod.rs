@@ -53,6 +53,8 @@ pub struct Daemon {
     child: Option<Child>,
     pub http: reqwest::Client,
     envs: Vec<(String, String)>,
+    /// The `[daemon]` section of jobs.toml, for `rewrite_config`.
+    daemon_section: String,
 }
 
 impl Daemon {
@@ -73,9 +75,10 @@ impl Daemon {
             )
             .expect("copy plugin");
         }
-        let config = format!(
-            "[daemon]\ndata_dir = \"data\"\nplugins_dir = \"plugins\"\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n{daemon_extra}\n{queues_toml}\n"
+        let daemon_section = format!(
+            "[daemon]\ndata_dir = \"data\"\nplugins_dir = \"plugins\"\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n{daemon_extra}\n"
         );
+        let config = format!("{daemon_section}{queues_toml}\n");
         std::fs::write(dir.path().join("jobs.toml"), config).expect("write jobs.toml");
         let token = daemon_extra
             .lines()
@@ -89,6 +92,7 @@ impl Daemon {
             child: None,
             http: client(),
             envs: Vec::new(),
+            daemon_section,
         }
     }
 
@@ -167,6 +171,25 @@ impl Daemon {
 
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
+    }
+
+    /// Writes jobs.toml again with the same `[daemon]` section and other
+    /// queues (for a reload).
+    pub fn rewrite_config(&self, queues_toml: &str) {
+        std::fs::write(
+            self.config_path(),
+            format!("{}{queues_toml}\n", self.daemon_section),
+        )
+        .expect("write jobs.toml");
+    }
+
+    /// Sends SIGHUP: reload jobs.toml.
+    pub fn hup(&self) {
+        let status = Command::new("kill")
+            .args(["-HUP", &self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
     }
 
     /// `kill -9` the daemon and reap it.
@@ -285,6 +308,71 @@ impl Daemon {
             .unwrap_or_else(|| panic!("no queue {name} in {v}"))
     }
 
+    /// Waits until the queue entry of GET /v1/queues satisfies `ok`, and
+    /// returns it (or panics after `secs`, saying `what`).
+    pub async fn wait_queue(
+        &self,
+        queue: &str,
+        what: &str,
+        secs: u64,
+        ok: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let q = self.queue(queue).await;
+            if ok(&q) {
+                return q;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "queue {queue}: not {what} after {secs} s: {q}\nlog:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Waits until the queue serves the plugin version `version` (short hash).
+    pub async fn wait_version(&self, queue: &str, version: &str) -> Value {
+        self.wait_queue(queue, &format!("on version {version}"), 30, |q| {
+            q["version"] == version
+        })
+        .await
+    }
+
+    /// Where a plugin file of this daemon is.
+    pub fn plugin_file(&self, file: &str) -> PathBuf {
+        self.dir.path().join("plugins").join(format!("{file}.wasm"))
+    }
+
+    /// Replaces a plugin file the way deploy tools do: written beside it,
+    /// then renamed over it (one atomic step).
+    pub fn replace_plugin(&self, file: &str, bytes: &[u8]) {
+        let tmp = self
+            .dir
+            .path()
+            .join("plugins")
+            .join(format!(".{file}.wasm.tmp"));
+        std::fs::write(&tmp, bytes).expect("write temporary plugin");
+        std::fs::rename(&tmp, self.plugin_file(file)).expect("rename plugin");
+    }
+
+    /// Overwrites a plugin file in place (truncate, then write), as `cp` does.
+    pub fn overwrite_plugin(&self, file: &str, bytes: &[u8]) {
+        std::fs::write(self.plugin_file(file), bytes).expect("overwrite plugin");
+    }
+
+    /// The output of `khata queues`, asserting success.
+    pub fn cli_queues(&self) -> String {
+        let out = self.cli(&["queues"]);
+        assert!(
+            out.status.success(),
+            "khata queues: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// Waits until the queue's plugin is loaded.
     pub async fn wait_plugin(&self, queue: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -306,6 +394,18 @@ impl Drop for Daemon {
             let _ = c.wait();
         }
     }
+}
+
+/// The bytes of a guest built by `scripts/build-plugins`.
+pub fn guest_bytes(name: &str) -> Vec<u8> {
+    std::fs::read(guest(name)).expect("read guest")
+}
+
+/// A plugin version as the daemon names it: the first 12 hex digits of the
+/// file's SHA-256.
+pub fn short_hash(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))[..12].to_owned()
 }
 
 pub fn payload(v: Value) -> Value {

@@ -1221,10 +1221,13 @@ struct InvocationBed {
 
 impl InvocationBed {
     fn new(bench: &Bench) -> anyhow::Result<InvocationBed> {
-        let host = Host::new(&PoolSize {
-            instances: 16,
-            max_memory: 64 << 20,
-        })?;
+        let host = Host::new(
+            &PoolSize {
+                instances: 16,
+                max_memory: 64 << 20,
+            },
+            None,
+        )?;
         let plugin = host.load_file("echo", &bench.plugins.join("echo.wasm"))?;
         let dir = bench.fresh_dir("invocation")?;
         let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir)?);
@@ -1249,6 +1252,7 @@ impl InvocationBed {
                 memory: 64 << 20,
                 max_result: 1 << 20,
                 log_bytes: 64 << 10,
+                log_lines: 1024,
             },
         })
     }

@@ -185,21 +185,25 @@ impl http::Host for AttemptState {
 impl log::Host for AttemptState {
     async fn log(&mut self, level: log::Level, message: String) {
         let budget = &mut self.log;
-        if budget.left == 0 {
+        if budget.left == 0 || budget.lines_left == 0 {
+            budget.dropped_messages += 1;
+            budget.dropped_bytes += message.len() as u64;
             if !budget.truncated {
                 budget.truncated = true;
                 tracing::warn!(
                     job = %budget.job_id, queue = %budget.queue, attempt = budget.attempt,
-                    "log output of this attempt truncated: over the per-attempt budget"
+                    "log output of this attempt truncated: over the per-attempt budget; the rest is counted, not logged"
                 );
             }
             return;
         }
+        budget.lines_left -= 1;
         let message = if message.len() > budget.left {
             let mut end = budget.left;
             while !message.is_char_boundary(end) {
                 end -= 1;
             }
+            budget.dropped_bytes += (message.len() - end) as u64;
             format!("{}…", &message[..end])
         } else {
             message

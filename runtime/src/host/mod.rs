@@ -8,6 +8,12 @@
 //! - [`Plugin`] is one compiled, pre-instantiated version of a `.wasm` file,
 //!   named by its content hash. An attempt keeps the `Arc<Plugin>` it started
 //!   with, so a newer version never changes a running attempt.
+//! - Compiled code is cached on disk by wasmtime's own compilation cache
+//!   (when [`Host::new`] is given a directory): an entry is keyed by a hash of
+//!   the component's bytes and the engine's compilation settings, under a
+//!   directory named after the wasmtime version, so a restart (or a file put
+//!   back) loads without compiling, and an upgraded wasmtime never reads code
+//!   compiled by another.
 //! - [`Host::run`] instantiates the plugin in a new store with the queue's
 //!   limits and calls `handle`. Whatever the guest does — loop, trap, exhaust
 //!   memory, overflow its stack — ends as a [`RunOutcome`]; it never reaches
@@ -28,8 +34,8 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
-    Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store,
-    StoreLimits, StoreLimitsBuilder, Trap,
+    Cache, CacheConfig, Config, Enabled, Engine, InstanceAllocationStrategy,
+    PoolingAllocationConfig, Store, StoreLimits, StoreLimitsBuilder, Trap,
 };
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
@@ -44,6 +50,8 @@ use crate::job::Millis;
 const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Captured guest stdout and stderr, per attempt.
 const STDIO_CAPTURE: usize = 16 * 1024;
+/// Hex digits of the content hash that name a version to people.
+pub const SHORT_VERSION: usize = 12;
 
 /// Why a plugin could not be loaded. The previous version, if any, stays.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +68,27 @@ pub enum LoadError {
     WrongWorld { plugin: String, error: String },
 }
 
+/// Where a plugin's machine code came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodeSource {
+    /// Compiled now; written to the code cache.
+    Compiled,
+    /// Read from the code cache: not compiled again.
+    Cache,
+    /// Compiled now; there is no code cache.
+    NoCache,
+}
+
+impl CodeSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CodeSource::Compiled => "compiled",
+            CodeSource::Cache => "cache",
+            CodeSource::NoCache => "compiled (no cache)",
+        }
+    }
+}
+
 /// One compiled version of a plugin.
 pub struct Plugin {
     pub name: String,
@@ -68,7 +97,26 @@ pub struct Plugin {
     pub loaded_at: Millis,
     /// The khata interfaces the component imports.
     pub imports: BTreeSet<Capability>,
+    /// Whether the code was compiled or read from the code cache.
+    pub code: CodeSource,
     pre: HandlerPre<AttemptState>,
+}
+
+impl Plugin {
+    /// The version as people see it: the first hex digits of the hash.
+    pub fn short_version(&self) -> &str {
+        short_version(&self.version)
+    }
+}
+
+/// The first [`SHORT_VERSION`] hex digits of a content hash.
+pub fn short_version(hash: &str) -> &str {
+    &hash[..SHORT_VERSION.min(hash.len())]
+}
+
+/// The content hash (hex SHA-256) that names a version of a plugin file.
+pub fn content_hash(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
 }
 
 impl std::fmt::Debug for Plugin {
@@ -77,6 +125,7 @@ impl std::fmt::Debug for Plugin {
             .field("name", &self.name)
             .field("version", &self.version)
             .field("imports", &self.imports)
+            .field("code", &self.code)
             .finish_non_exhaustive()
     }
 }
@@ -89,6 +138,8 @@ pub struct Limits {
     pub max_result: u64,
     /// Bytes of `log` output kept per attempt; the rest is dropped with a note.
     pub log_bytes: usize,
+    /// Lines of `log` output kept per attempt; the rest is dropped with a note.
+    pub log_lines: usize,
 }
 
 /// The job as the handler sees it.
@@ -135,14 +186,19 @@ impl WasiView for AttemptState {
     }
 }
 
-/// Tags and bounds the `log` output of one attempt.
+/// Tags and bounds the `log` output of one attempt: at most `left` bytes and
+/// `lines_left` lines (so that empty messages cannot flood the log either);
+/// past either, messages are counted and dropped.
 struct LogBudget {
     job_id: String,
     queue: String,
     attempt: u32,
     version: String,
     left: usize,
+    lines_left: usize,
     truncated: bool,
+    dropped_messages: u64,
+    dropped_bytes: u64,
 }
 
 /// The engine and linker shared by every attempt.
@@ -150,6 +206,10 @@ pub struct Host {
     engine: Engine,
     linker: Linker<AttemptState>,
     ticker_stop: Arc<AtomicBool>,
+    /// The compilation cache, kept for its hit counter.
+    cache: Option<Cache>,
+    /// The pool's sizes, fixed for the life of the engine.
+    pool: PoolSize,
 }
 
 impl std::fmt::Debug for Host {
@@ -174,8 +234,19 @@ pub struct PoolSize {
 }
 
 impl Host {
-    pub fn new(pool: &PoolSize) -> anyhow::Result<Host> {
+    /// The engine, with wasmtime's compilation cache in `code_cache` if
+    /// given (created if missing). A cache that cannot be set up is logged
+    /// and left out: plugins are then compiled at every load.
+    pub fn new(pool: &PoolSize, code_cache: Option<&Path>) -> anyhow::Result<Host> {
         let mut config = Config::new();
+        let cache = code_cache.and_then(|dir| match open_cache(dir) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %format!("{e:#}"), "the compiled-code cache is not available; plugins are compiled at every load");
+                None
+            }
+        });
+        config.cache(cache.clone());
         config.wasm_component_model(true);
         config.epoch_interruption(true);
         config.max_wasm_stack(512 * 1024);
@@ -224,7 +295,14 @@ impl Host {
             engine,
             linker,
             ticker_stop,
+            cache,
+            pool: pool.clone(),
         })
+    }
+
+    /// The instance pool's sizes, set at start.
+    pub fn pool(&self) -> &PoolSize {
+        &self.pool
     }
 
     /// Reads and compiles `path` as plugin `name`.
@@ -238,13 +316,29 @@ impl Host {
     }
 
     /// Compiles `bytes` as plugin `name` and checks that it fits the world.
+    /// Loads are expected one at a time (the plugin watcher's thread): the
+    /// code cache's hit counter tells whether this one was compiled.
     pub fn load(&self, name: &str, bytes: &[u8]) -> Result<Plugin, LoadError> {
-        let version = hex::encode(Sha256::digest(bytes));
+        let version = content_hash(bytes);
+        let not_a_component = |error: String| LoadError::NotAComponent {
+            plugin: name.to_owned(),
+            error,
+        };
+        if bytes.starts_with(b"\0asm") && bytes.get(4..8) == Some(&[1u8, 0, 0, 0][..]) {
+            return Err(not_a_component(
+                "it is a core WebAssembly module; build it for wasm32-wasip2 \
+                 (or wrap it with `wasm-tools component new`)"
+                    .into(),
+            ));
+        }
+        let hits = self.cache.as_ref().map(Cache::cache_hits);
         let component =
-            Component::new(&self.engine, bytes).map_err(|e| LoadError::NotAComponent {
-                plugin: name.to_owned(),
-                error: format!("{e:#}"),
-            })?;
+            Component::new(&self.engine, bytes).map_err(|e| not_a_component(format!("{e:#}")))?;
+        let code = match (&self.cache, hits) {
+            (Some(c), Some(before)) if c.cache_hits() > before => CodeSource::Cache,
+            (Some(_), _) => CodeSource::Compiled,
+            _ => CodeSource::NoCache,
+        };
         let wrong_world = |e: wasmtime::Error| LoadError::WrongWorld {
             plugin: name.to_owned(),
             error: format!("{e:#}"),
@@ -264,6 +358,7 @@ impl Host {
             version,
             loaded_at: Millis::now(),
             imports,
+            code,
             pre,
         })
     }
@@ -298,7 +393,10 @@ impl Host {
                 attempt: job.attempt,
                 version: plugin.version.clone(),
                 left: limits.log_bytes,
+                lines_left: limits.log_lines,
                 truncated: false,
+                dropped_messages: 0,
+                dropped_bytes: 0,
             },
         };
         let mut store = Store::new(&self.engine, state);
@@ -343,11 +441,29 @@ impl Host {
             Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(reason),
             Ok(Err(trap)) => classify_trap(&trap, limits, &stderr.contents().0),
         };
+        let log = &store.data().log;
+        if log.truncated {
+            tracing::warn!(
+                job = %job.id, queue = %job.queue, attempt = job.attempt, plugin = %plugin.name,
+                dropped_messages = log.dropped_messages, dropped_bytes = log.dropped_bytes,
+                "log output of this attempt was truncated: {} messages ({} bytes) dropped past the per-attempt budget of {} bytes or {} lines",
+                log.dropped_messages, log.dropped_bytes, limits.log_bytes, limits.log_lines
+            );
+        }
         drop(store);
         log_stdio(&job.id, job.attempt, &plugin.name, "stdout", &stdout);
         log_stdio(&job.id, job.attempt, &plugin.name, "stderr", &stderr);
         outcome
     }
+}
+
+/// wasmtime's compilation cache in `dir`, made absolute (wasmtime requires it).
+fn open_cache(dir: &Path) -> anyhow::Result<Cache> {
+    std::fs::create_dir_all(dir)?;
+    let dir = std::path::absolute(dir)?;
+    let mut config = CacheConfig::new();
+    config.with_directory(dir);
+    Ok(Cache::new(config)?)
 }
 
 fn timeout_message(timeout: Duration) -> String {

@@ -12,15 +12,25 @@
 //! | `memory` | | allocates and touches 1 MiB chunks until memory runs out |
 //! | `recurse` | | recurses until the stack runs out |
 //! | `big_result` | `bytes` | returns a JSON string of `bytes` characters (`bytes + 2` bytes of JSON text) |
-//! | `log_flood` | `lines` | logs `lines` info lines, then `{"lines": lines}` |
+//! | `log_flood` | `lines`, `text` (optional) | logs `lines` info lines (`text`, or numbered ones), then `{"lines": lines}` |
 //! | `sleep` | `ms` | sleeps (WASI clocks), then `{"slept": ms}` |
 //! | `slot` | `slots` (64), `ms` (0) | takes the first free kv slot `slot:<i>`, marks `seen:<i>`, holds it `ms`, frees it; `{"slot": i}`, or `Fail("no free slot")` |
 //! | `order` | `tag` | appends `tag` to the kv list `order:<n>`, counted by `order:count`; `{"position": n}` |
 //! | `kv_get` | `key` | `{"value": <the kv value as UTF-8, or null>}` |
 //! | `exists` | `key` | existence check on `seen:<key>`: first time stores the payload at `data:<key>` and returns `{"new": true}`, then `{"new": false}` |
+//! | `print_flood` | `lines` | prints `lines` lines to stdout, then `{"lines": lines}` |
+//! | `file` | `path` | tries to read `path`, create `path` and list `/`; `{"read": probe, "create": probe, "list": probe}` |
+//! | `env` | `name` | reads the environment: `{"value": <$name or null>, "vars": <count>, "args": <count>}` |
+//! | `tcp` | `addr` | tries to connect to `addr` (`host:port`); `{"connect": probe}` |
+//! | `resolve` | `host` | tries to resolve `host`; `{"resolve": probe}` |
+//!
+//! A probe is `{"ok": true, ...}` when the guest got access and
+//! `{"ok": false, "error": "<the error it got>"}` when it did not.
 //!
 //! A missing or mistyped field is `Fail`. Grants: `kv` for `slot`, `order`,
-//! `kv_get` and `exists`; the component imports `kv` and `log`.
+//! `kv_get` and `exists`; the component imports `kv` and `log` (and WASI's
+//! filesystem, environment and sockets, which the host links granting
+//! nothing).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -43,7 +53,15 @@ fn handle(job: Job) -> Result<Value, Error> {
         "memory" => exhaust_memory(),
         "recurse" => Ok(json!(recurse(0))),
         "big_result" => Ok(json!("x".repeat(to_usize(number(&payload, "bytes")?)?))),
-        "log_flood" => log_flood(number(&payload, "lines")?),
+        "log_flood" => log_flood(
+            number(&payload, "lines")?,
+            payload.get("text").and_then(Value::as_str),
+        ),
+        "print_flood" => print_flood(number(&payload, "lines")?),
+        "file" => Ok(file(text(&payload, "path")?)),
+        "env" => Ok(env(text(&payload, "name")?)),
+        "tcp" => Ok(tcp(text(&payload, "addr")?)),
+        "resolve" => Ok(resolve(text(&payload, "host")?)),
         "sleep" => sleep(number(&payload, "ms")?),
         "slot" => slot(
             number_or(&payload, "slots", 64)?,
@@ -98,11 +116,62 @@ fn recurse(depth: u64) -> u64 {
     recurse(frame[1] + 1) + frame[7]
 }
 
-fn log_flood(lines: u64) -> Result<Value, Error> {
+fn log_flood(lines: u64, text: Option<&str>) -> Result<Value, Error> {
     for i in 0..lines {
-        log::info(format!("chaos log line {i}"));
+        match text {
+            Some(t) => log::info(t),
+            None => log::info(format!("chaos log line {i}")),
+        }
     }
     Ok(json!({ "lines": lines }))
+}
+
+fn print_flood(lines: u64) -> Result<Value, Error> {
+    for i in 0..lines {
+        println!("chaos stdout line {i}");
+    }
+    Ok(json!({ "lines": lines }))
+}
+
+/// What a sandbox probe got: access (with what it saw) or the error.
+fn probe<T>(result: std::io::Result<T>, seen: impl FnOnce(T) -> Value) -> Value {
+    match result {
+        Ok(v) => json!({ "ok": true, "seen": seen(v) }),
+        Err(e) => json!({ "ok": false, "error": e.to_string() }),
+    }
+}
+
+fn file(path: &str) -> Value {
+    let read = probe(std::fs::read(path), |bytes| json!(bytes.len()));
+    let create = probe(std::fs::write(path, b"chaos was here"), |()| json!(path));
+    let list = probe(std::fs::read_dir("/"), |entries| {
+        json!(entries.flatten().count())
+    });
+    json!({ "read": read, "create": create, "list": list })
+}
+
+fn env(name: &str) -> Value {
+    json!({
+        "value": std::env::var(name).ok(),
+        "vars": std::env::vars_os().count(),
+        "args": std::env::args_os().count(),
+    })
+}
+
+fn tcp(addr: &str) -> Value {
+    let connect = probe(
+        std::net::TcpStream::connect(addr).and_then(|s| s.peer_addr()),
+        |peer| json!(peer.to_string()),
+    );
+    json!({ "connect": connect })
+}
+
+fn resolve(host: &str) -> Value {
+    use std::net::ToSocketAddrs;
+    let resolved = probe((host, 80).to_socket_addrs(), |addrs| {
+        json!(addrs.map(|a| a.ip().to_string()).collect::<Vec<_>>())
+    });
+    json!({ "resolve": resolved })
 }
 
 fn sleep(ms: u64) -> Result<Value, Error> {
