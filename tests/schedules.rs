@@ -1,0 +1,178 @@
+//! Schedules through the real daemon (DESIGN 6.5): one job per fire time
+//! under `schedule:<name>:<time>`, the catch-up policies, and no fire time
+//! enqueued twice across a kill -9 or a lost marks file.
+
+mod support;
+
+use std::time::{Duration, SystemTime};
+
+use chrono::{DateTime, Datelike, TimeZone, Utc};
+use serde_json::Value;
+use support::Daemon;
+
+const QUEUE: &str = r#"
+[queues.tick]
+plugin = "echo"
+"#;
+
+/// Three schedules of one cron line, one per catch-up policy.
+fn config(cron: &str) -> String {
+    let mut out = QUEUE.to_owned();
+    for policy in ["latest", "all", "none"] {
+        out.push_str(&format!(
+            "\n[schedules.{policy}]\nqueue = \"tick\"\ncron = \"{cron}\"\npayload = {{ policy = \"{policy}\" }}\ncatch_up = \"{policy}\"\n"
+        ));
+    }
+    out
+}
+
+/// Ids of the jobs a schedule enqueued, oldest fire time first.
+async fn fired(d: &Daemon, schedule: &str) -> Vec<String> {
+    let (status, v) = d.call("GET", "/v1/jobs?queue=tick&limit=1000", None).await;
+    assert_eq!(status, 200, "{v}");
+    let prefix = format!("schedule:{schedule}:");
+    let mut ids: Vec<String> = v["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|j| j["id"].as_str())
+        .filter(|id| id.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect();
+    ids.sort();
+    ids
+}
+
+fn write_marks(d: &Daemon, at: SystemTime) {
+    let data = d.dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let at = humantime::format_rfc3339_millis(at).to_string();
+    let marks = serde_json::json!({"latest": at, "all": at, "none": at});
+    std::fs::write(data.join("schedules.json"), marks.to_string()).unwrap();
+}
+
+async fn wait_count(d: &Daemon, schedule: &str, n: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ids = fired(d, schedule).await;
+        if ids.len() >= n {
+            return ids;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{schedule}: {} of {n} jobs: {ids:?}",
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn missed_fire_times_follow_catch_up_and_never_fire_twice() {
+    // Every 1 January, 00:00 UTC; the daemon was last here ten years ago.
+    let mut d = Daemon::prepare(&config("0 0 1 1 *"), &[("echo", "echo")]);
+    let mark = SystemTime::now() - Duration::from_secs(3660 * 86_400);
+    write_marks(&d, mark);
+    let (from, to): (DateTime<Utc>, DateTime<Utc>) = (mark.into(), SystemTime::now().into());
+    let expected: Vec<String> = (from.year()..=to.year())
+        .map(|y| Utc.with_ymd_and_hms(y, 1, 1, 0, 0, 0).unwrap())
+        .filter(|t| *t > from && *t <= to)
+        .map(|t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+        .collect();
+    assert!(expected.len() >= 10);
+
+    d.start().await;
+    d.wait_plugin("tick").await;
+    let all = wait_count(&d, "all", expected.len()).await;
+    let want: Vec<String> = expected
+        .iter()
+        .map(|t| format!("schedule:all:{t}"))
+        .collect();
+    assert_eq!(all, want, "catch_up = all: every missed fire time, once");
+    let latest = wait_count(&d, "latest", 1).await;
+    assert_eq!(
+        latest,
+        [format!("schedule:latest:{}", expected.last().unwrap())],
+        "catch_up = latest: only the newest"
+    );
+    for id in all.iter().chain(&latest) {
+        let j = d.wait_state(id, "completed", 30).await;
+        assert!(
+            j["result"]["policy"].is_string(),
+            "the schedule's payload: {j}"
+        );
+    }
+    let none_fired = fired(&d, "none").await;
+    assert!(none_fired.is_empty(), "catch_up = none: {none_fired:?}");
+
+    // The next fire time is shown, in the schedule's zone (UTC).
+    let out = d.cli(&["schedules"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let next_year = format!("{}-01-01T00:00:00", to.year() + 1);
+    assert!(text.contains("all") && text.contains(&next_year), "{text}");
+
+    // A crash and a restart fire nothing again.
+    d.kill9();
+    d.start().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(fired(&d, "all").await, want);
+    assert_eq!(fired(&d, "latest").await, latest);
+
+    // Even with the marks lost and set back ten years, each fire time is
+    // one job: its id is taken.
+    d.kill9();
+    write_marks(&d, mark);
+    d.start().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(fired(&d, "all").await, want);
+    assert_eq!(fired(&d, "latest").await, latest);
+    assert!(fired(&d, "none").await.is_empty());
+}
+
+/// Firing as time passes, on the daemon's movable clock (`failpoints` build).
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn a_schedule_fires_once_per_fire_time_as_the_clock_moves() {
+    // Daily, so that the seconds this test takes cannot span a fire time.
+    let d = Daemon::start_new(&config("0 0 * * *"), &[("echo", "echo")]).await;
+    d.wait_plugin("tick").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        fired(&d, "all").await.is_empty(),
+        "a new schedule fires from now on"
+    );
+
+    let advance = async |by: &str| {
+        let (status, v): (u16, Value) = d
+            .call(
+                "POST",
+                "/v1/test/clock",
+                Some(serde_json::json!({"advance": by})),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    };
+    advance("1d").await;
+    for policy in ["latest", "all", "none"] {
+        assert_eq!(wait_count(&d, policy, 1).await.len(), 1, "{policy}");
+    }
+    advance("1d").await;
+    for policy in ["latest", "all", "none"] {
+        let ids = wait_count(&d, policy, 2).await;
+        assert_eq!(ids.len(), 2, "{policy}: {ids:?}");
+        assert_ne!(ids[0], ids[1]);
+    }
+    // Five days at once: missed times follow the policy.
+    advance("5d").await;
+    assert_eq!(wait_count(&d, "all", 7).await.len(), 7);
+    assert_eq!(wait_count(&d, "latest", 3).await.len(), 3);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        fired(&d, "none").await.len(),
+        2,
+        "none skips what was missed"
+    );
+    assert_eq!(fired(&d, "latest").await.len(), 3);
+    assert_eq!(fired(&d, "all").await.len(), 7);
+}
