@@ -98,3 +98,60 @@ fn a_backend_this_build_lacks_is_refused() {
     );
     assert!(!d.dir.path().join("data").exists(), "nothing was created");
 }
+
+/// systemd's notify protocol (DESIGN 6.7): `READY=1` once the API answers,
+/// `WATCHDOG=1` while running, `STOPPING=1` on SIGTERM.
+#[tokio::test]
+async fn systemd_hears_ready_watchdog_and_stopping() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixDatagram;
+
+    let mut d = Daemon::prepare("[queues.e]\nplugin = \"echo\"\n", &[("echo", "echo")]);
+    let socket_path = d.dir.path().join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    d.env("NOTIFY_SOCKET", socket_path.to_str().unwrap());
+    d.env("WATCHDOG_USEC", "200000");
+    let port = d.port;
+    // Reads every message; on READY=1 it asks the API at once, so the answer
+    // says whether the API was up when systemd was told it was.
+    let listener = std::thread::spawn(move || {
+        socket
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut seen: Vec<(String, Option<bool>)> = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = socket.recv(&mut buf) {
+            let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let api_up = msg.lines().any(|l| l == "READY=1").then(|| {
+                let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").unwrap();
+                let mut answer = String::new();
+                let _ = s.read_to_string(&mut answer);
+                answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200")
+            });
+            let stopping = msg.lines().any(|l| l == "STOPPING=1");
+            seen.push((msg, api_up));
+            if stopping {
+                break;
+            }
+        }
+        seen
+    });
+    d.start().await;
+    d.wait_plugin("e").await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(d.terminate().success());
+    let seen = listener.join().unwrap();
+    let lines: Vec<&str> = seen.iter().flat_map(|(m, _)| m.lines()).collect();
+    let ready = seen
+        .iter()
+        .position(|(_, up)| up.is_some())
+        .unwrap_or_else(|| panic!("no READY=1: {lines:?}"));
+    assert_eq!(seen[ready].1, Some(true), "READY=1 before the API answered");
+    let watchdogs = seen[ready..]
+        .iter()
+        .filter(|(m, _)| m.lines().any(|l| l == "WATCHDOG=1"))
+        .count();
+    assert!(watchdogs >= 3, "watchdog pings while running: {lines:?}");
+    assert_eq!(lines.last(), Some(&"STOPPING=1"), "{lines:?}");
+}

@@ -18,6 +18,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -209,7 +210,15 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     let stop = Stop::default();
     let shutdown = CancellationToken::new();
-    let dispatcher = tokio::spawn(Arc::clone(&queues).run(stop.clone()));
+    let dispatching = Arc::new(AtomicBool::new(true));
+    let dispatcher = tokio::spawn({
+        let (queues, stop, dispatching) =
+            (Arc::clone(&queues), stop.clone(), Arc::clone(&dispatching));
+        async move {
+            queues.run(stop).await;
+            dispatching.store(false, Ordering::Relaxed);
+        }
+    });
     let scheduler = tokio::spawn(Arc::clone(&schedules).run(
         Arc::clone(&store),
         Arc::clone(&queues),
@@ -234,7 +243,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
         shutdown.clone(),
     ));
 
+    // The store is open, plugins are loaded and the API listens.
+    notify_systemd(&[sd_notify::NotifyState::Ready]);
+    let watchdog = sd_notify::watchdog_enabled().map(|period| {
+        tokio::spawn(watchdog(
+            period,
+            Arc::clone(&store),
+            dispatching,
+            shutdown.clone(),
+        ))
+    });
+
     wait_for_signal().await;
+    notify_systemd(&[sd_notify::NotifyState::Stopping]);
+    if let Some(w) = watchdog {
+        w.abort();
+    }
     tracing::info!(grace = %humantime::format_duration(config.daemon.shutdown_grace), "shutting down: draining attempts in flight");
     shutdown.cancel();
     stop.drain.cancel();
@@ -252,6 +276,45 @@ async fn run(config: Config) -> anyhow::Result<()> {
     background.abort();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Tells systemd (`Type=notify`) how the daemon stands; nothing without
+/// `NOTIFY_SOCKET`.
+fn notify_systemd(state: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(state) {
+        tracing::warn!(error = %e, "could not notify systemd");
+    }
+}
+
+/// `WATCHDOG=1` every half `period` while the ledger answers a read within
+/// that half and the dispatchers run; systemd restarts a daemon that stops
+/// sending it.
+async fn watchdog(
+    period: Duration,
+    store: Arc<dyn Store>,
+    dispatching: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) {
+    let half = period / 2;
+    let mut tick = tokio::time::interval(half);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let store_ok = matches!(
+            tokio::time::timeout(half, store.counts(Millis::now())).await,
+            Ok(Ok(_))
+        );
+        if store_ok && dispatching.load(Ordering::Relaxed) {
+            notify_systemd(&[sd_notify::NotifyState::Watchdog]);
+        } else {
+            tracing::error!(
+                store_ok,
+                "watchdog: the daemon is not healthy; not telling systemd it is alive"
+            );
+        }
+    }
 }
 
 async fn wait_for_signal() {
