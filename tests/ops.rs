@@ -77,6 +77,11 @@ async fn metrics_count_jobs_and_queue_depth() {
         "khata_jobs_deduplicated_total{queue=\"echo\"} 1",
         "khata_attempts_total{queue=\"echo\",outcome=\"completed\"} 1",
         "khata_queue_depth{queue=\"echo\",state=\"completed\"} 1",
+        "khata_jobs_finished_total{queue=\"echo\",state=\"completed\"} 1",
+        // Histograms with buckets, not summaries.
+        "khata_attempt_duration_seconds_bucket{queue=\"echo\",le=\"+Inf\"} 1",
+        "khata_store_commit_seconds_bucket{le=\"0.001\"}",
+        "khata_store_commit_steps_bucket{le=\"1\"}",
     ] {
         assert!(text.contains(line), "metrics lack {line:?}:\n{text}");
     }

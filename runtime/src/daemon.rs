@@ -184,8 +184,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let mut loader = Loader::default();
     loader.scan(&config, &host, &queues, ScanKind::Full);
 
-    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
+    let metrics = metrics_recorder()
         .map_err(|e| tracing::warn!(error = %e, "metrics recorder not installed"))
         .ok();
     let schedules =
@@ -276,6 +275,21 @@ async fn run(config: Config) -> anyhow::Result<()> {
     background.abort();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Prometheus histograms (not summaries), so that dashboards can aggregate
+/// quantiles across queues and daemons.
+fn metrics_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    const SECONDS: &[f64] = &[
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        60.0, 300.0,
+    ];
+    const STEPS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0];
+    Ok(PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)?
+        .set_buckets_for_metric(Matcher::Full("khata_store_commit_steps".into()), STEPS)?
+        .install_recorder()?)
 }
 
 /// Tells systemd (`Type=notify`) how the daemon stands; nothing without
