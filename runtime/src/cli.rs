@@ -120,7 +120,7 @@ pub struct Cli {
 pub struct GlobalArgs {
     /// Configuration file [default: jobs.toml]
     ///
-    /// `serve` and `check` run it; client commands read `[daemon] listen` and
+    /// `serve`, `check` and `store migrate` run it; client commands read `[daemon] listen` and
     /// `token`/`token_file` from it, when it exists and --url is not given.
     #[arg(short, long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -197,6 +197,22 @@ pub enum Command {
         #[command(subcommand)]
         command: FenceCommand,
     },
+    /// Manage the configured ledger (on the database itself, not through the daemon)
+    #[command(subcommand_required = true, arg_required_else_help = true)]
+    Store {
+        #[command(subcommand)]
+        command: StoreCommand,
+    },
+}
+
+/// The subcommands of `khata store`.
+#[derive(Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Apply the ledger's pending schema migrations and print its schema version
+    ///
+    /// `khata serve` applies them too when it starts; this does it ahead of
+    /// time, for example before starting daemons on a new PostgreSQL database.
+    Migrate,
 }
 
 /// `--json`, shared by the commands that print an API answer.
@@ -421,6 +437,12 @@ impl Cli {
                     ExitCode::FAILURE
                 })
             }
+            Command::Store {
+                command: StoreCommand::Migrate,
+            } => {
+                crate::daemon::store_migrate(&global.config_path())?;
+                Ok(ExitCode::SUCCESS)
+            }
             command => {
                 // Read stdin before talking to anyone, so that a bad payload
                 // is a usage error whether or not the daemon is up.
@@ -604,7 +626,9 @@ async fn run_client(
                 outcome.as_str()
             )
         }
-        Command::Serve | Command::Check => unreachable!("handled without a client"),
+        Command::Serve | Command::Check | Command::Store { .. } => {
+            unreachable!("handled without a client")
+        }
     };
     Ok(out)
 }
@@ -1432,6 +1456,16 @@ mod tests {
 
         let cli = parse(&["check"]).unwrap();
         assert_eq!(cli.global.config_path(), PathBuf::from("jobs.toml"));
+
+        let cli = parse(&["store", "migrate", "-c", "x.toml"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Store {
+                command: StoreCommand::Migrate
+            }
+        ));
+        assert_eq!(cli.global.config_path(), PathBuf::from("x.toml"));
+        assert!(parse(&["store"]).is_err(), "a store subcommand is required");
     }
 
     #[test]

@@ -1642,6 +1642,25 @@ impl<'a> Checker<'a> {
                     "missing: backend \"postgres\" needs `url` (a string, { env = \"VAR\" } or { file = \"/path\" })",
                 );
             }
+            (Backend::Postgres, Some(raw_url)) => {
+                // An inline URL is checked now; one from `env` or `file`
+                // when the daemon reads it. The message never repeats the
+                // URL: it may hold a password.
+                if let Some(Secret::Plain(text)) = &url
+                    && let Err(e) = text.parse::<tokio_postgres::Config>()
+                {
+                    let cause = std::error::Error::source(&e)
+                        .map(|c| format!(": {c}"))
+                        .unwrap_or_default();
+                    self.issue(
+                        "store.url",
+                        Some(raw_url.span()),
+                        format!(
+                            "not a PostgreSQL connection URL ({e}{cause}); expected e.g. \"postgres://user:password@host:5432/khata\""
+                        ),
+                    );
+                }
+            }
             (Backend::Sqlite | Backend::Sled, Some(url)) => self.issue(
                 "store.url",
                 Some(url.span()),
@@ -2631,6 +2650,28 @@ pool = 2
         assert_eq!(issue(&issues, "store.url").line, Some(2));
         let issues = errors("[store]\nurl = \"postgres://x\"\n");
         assert_eq!(issue(&issues, "store.url").line, Some(2));
+    }
+
+    #[test]
+    fn an_inline_store_url_is_checked_without_being_repeated() {
+        let issues = errors(
+            "[store]\nbackend = \"postgres\"\npool = 4\nurl = \"postgres://u:s3cret@db:port/khata\"\n",
+        );
+        let found = issue(&issues, "store.url");
+        assert_eq!((found.line, found.column), (Some(4), Some(7)), "{found:?}");
+        assert!(
+            found.message.contains("not a PostgreSQL connection URL"),
+            "{found:?}"
+        );
+        assert!(!found.message.contains("s3cret"), "{found:?}");
+        let issues = errors("[store]\nbackend = \"postgres\"\nurl = \"postgres://db\"\npool = 0\n");
+        let found = issue(&issues, "store.pool");
+        assert_eq!((found.line, found.column), (Some(4), Some(8)), "{found:?}");
+        let config = parse(
+            "[store]\nbackend = \"postgres\"\nurl = { env = \"KHATA_DATABASE_URL\" }\npool = 4\n",
+        )
+        .unwrap();
+        assert_eq!(config.store.pool, 4);
     }
 
     #[test]

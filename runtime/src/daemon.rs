@@ -1,7 +1,8 @@
 //! `khata serve` and `khata check`: the wiring of config, store, host,
 //! queues and API.
 //!
-//! Start-up order: read jobs.toml, open the ledger (taking its lock), recover
+//! Start-up order: read jobs.toml, open the ledger (SQLite in `data_dir`, or
+//! PostgreSQL at `store.url`; migrating it and taking its lock), recover
 //! the attempts a crash left active, watch `plugins_dir` and load plugins
 //! (compiled code comes from the cache in `data_dir/code-cache` when it can),
 //! start the dispatchers, listen. Shutdown (SIGTERM, SIGINT): stop listening
@@ -34,6 +35,7 @@ use crate::plugins::{Loader, ScanKind, Watch, check_grants, plugin_path};
 use crate::queue::{Clock, Outside, Queues, Reconfigured, Stop};
 use crate::schedule::Schedules;
 use crate::store::Store;
+use crate::store::postgres::PostgresStore;
 use crate::store::sqlite::SqliteStore;
 
 /// The compiled-code cache, under `data_dir`.
@@ -126,12 +128,82 @@ fn pool_size(config: &Config) -> PoolSize {
 /// Refuses a configuration this build cannot serve as written, rather than
 /// silently serving something else.
 fn check_supported(config: &Config) -> Result<(), String> {
-    if config.store.backend != Backend::Sqlite {
+    if config.store.backend == Backend::Sled {
         return Err(format!(
-            "{}: store.backend = {:?} is not available in this build of khata; use \"sqlite\"",
+            "{}: store.backend = \"sled\" is not available in this build of khata; use \"sqlite\" (the default) or \"postgres\"",
             config.path.display(),
-            config.store.backend.as_str()
         ));
+    }
+    Ok(())
+}
+
+/// The PostgreSQL URL of `[store] url`, read from where it is kept.
+fn postgres_url(config: &Config) -> anyhow::Result<String> {
+    let path = config.path.display();
+    let url = config.store.url.as_ref().ok_or_else(|| {
+        anyhow::anyhow!("{path}: store.url: missing: backend \"postgres\" needs it")
+    })?;
+    url.resolve()
+        .map_err(|e| anyhow::anyhow!("{path}: store.url: {e}"))
+}
+
+/// Opens the configured ledger: migrates its schema and takes its lock (one
+/// daemon per ledger).
+async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match config.store.backend {
+        Backend::Postgres => {
+            let url = postgres_url(config)?;
+            let store = PostgresStore::open(&url, config.store.pool as usize)
+                .await
+                .context("opening the PostgreSQL ledger (store.url)")?;
+            tracing::info!(database = %store.target(), pool = config.store.pool, "the ledger is in PostgreSQL");
+            Arc::new(store)
+        }
+        Backend::Sled => anyhow::bail!(check_supported(config).err().unwrap_or_default()),
+        Backend::Sqlite => {
+            let data_dir = &config.daemon.data_dir;
+            Arc::new(
+                SqliteStore::open(data_dir)
+                    .with_context(|| format!("opening the ledger in {}", data_dir.display()))?,
+            )
+        }
+    })
+}
+
+/// `khata store migrate`: applies the configured ledger's pending schema
+/// migrations and prints its schema version.
+pub fn store_migrate(config_path: &Path) -> anyhow::Result<()> {
+    let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    match config.store.backend {
+        Backend::Sled => anyhow::bail!(check_supported(&config).err().unwrap_or_default()),
+        Backend::Postgres => {
+            let url = postgres_url(&config)?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let m = runtime
+                .block_on(crate::store::postgres::migrate(&url))
+                .context("migrating the PostgreSQL ledger (store.url)")?;
+            if m.from == m.to {
+                println!("postgres: schema version {} (up to date)", m.to);
+            } else {
+                println!(
+                    "postgres: schema version {} (migrated from version {})",
+                    m.to, m.from
+                );
+            }
+        }
+        Backend::Sqlite => {
+            let data_dir = &config.daemon.data_dir;
+            // Opening migrates; it fails while a daemon holds the ledger.
+            let store = SqliteStore::open(data_dir)
+                .with_context(|| format!("opening the ledger in {}", data_dir.display()))?;
+            println!(
+                "sqlite: schema version {} ({})",
+                crate::store::sqlite::SCHEMA_VERSION,
+                store.path().display()
+            );
+        }
     }
     Ok(())
 }
@@ -156,10 +228,7 @@ fn outside(config: &Config) -> anyhow::Result<Outside> {
 async fn run(config: Config) -> anyhow::Result<()> {
     check_supported(&config).map_err(|e| anyhow::anyhow!(e))?;
     let data_dir = &config.daemon.data_dir;
-    let store: Arc<dyn Store> = Arc::new(
-        SqliteStore::open(data_dir)
-            .with_context(|| format!("opening the ledger in {}", data_dir.display()))?,
-    );
+    let store = open_store(&config).await?;
     let recovered = store.recover(Millis::now()).await?;
     if recovered > 0 {
         tracing::warn!(

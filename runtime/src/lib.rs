@@ -6,8 +6,8 @@
 //!
 //! - [`job`]: the job, its states and attempts — the vocabulary.
 //! - [`config`]: `jobs.toml`, parsed with positions for every error.
-//! - [`store`]: the ledger trait, its SQLite backend with group commit, and
-//!   the conformance suite every backend passes.
+//! - [`store`]: the ledger trait, its SQLite backend with group commit, its
+//!   PostgreSQL backend, and the conformance suite every backend passes.
 //! - [`effects`]: what a handler may do to the world (kv, index, log), each
 //!   checked against the queue's grants and the attempt's lease.
 //! - [`host`]: the wasmtime engine, plugins and their versions, limits, and

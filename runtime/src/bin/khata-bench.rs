@@ -36,9 +36,7 @@
 //!
 //! Completion is watched with two cheap probes (`GET /v1/jobs?queue=&state=`
 //! for `waiting` and for `active`, limit 1) every 20 ms; once both are empty
-//! one `GET /v1/queues` confirms that every job completed. `GET /v1/queues`
-//! alone counts by scanning the whole jobs table, which with a large backlog
-//! would load the daemon more than the work it measures.
+//! one `GET /v1/queues` confirms that every job completed.
 //!
 //! Figures 1, 2, 6 and 7a-7c drain [`RUNS`] times and report the median
 //! with the range. Progress lines on stderr say where the time went: the

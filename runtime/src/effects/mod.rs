@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::config::{Grants, OnUncertain};
 use crate::job::{LeaseRef, Millis};
-use crate::store::sqlite::RESOLVED_BY_OPERATOR;
+use crate::store::RESOLVED_BY_OPERATOR;
 use crate::store::{EffectRecord, Store, StoreError, UpsertOutcome};
 use email::{Mail, Mailer, SendError};
 use fenced::{Effect, Fenced, Reconciled, Tried};

@@ -17,6 +17,7 @@
 //! clock can be injected.
 
 pub mod conformance;
+pub mod postgres;
 pub mod sqlite;
 
 use std::time::Duration;
@@ -142,6 +143,11 @@ pub enum FenceBegin {
     /// Marked uncertain before; only an operator can resolve it.
     Uncertain(Fence),
 }
+
+/// The result recorded in a fence an operator resolved as done: there is no
+/// recorded response, so later attempts replay this marker. The same in
+/// every backend.
+pub const RESOLVED_BY_OPERATOR: &[u8] = br#"{"resolved_by":"operator"}"#;
 
 /// An operator's answer to an uncertain fence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

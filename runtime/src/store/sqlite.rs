@@ -23,8 +23,8 @@ use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, Resolution, Store,
-    StoreError, Swept, UpsertOutcome,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, RESOLVED_BY_OPERATOR,
+    Resolution, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -36,7 +36,8 @@ const MAX_GROUP: usize = 1024;
 /// Reader connections kept open.
 const READERS: usize = 4;
 
-const SCHEMA_VERSION: i64 = 2;
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
 const MIGRATIONS: &[&str] = &[
@@ -1089,10 +1090,6 @@ fn delete_fence(conn: &Connection, id: &FenceId) -> Result<(), StoreError> {
         .execute(params![id.namespace, id.kind, id.key])?;
     Ok(())
 }
-
-/// The result recorded in a fence an operator resolved as done: there is no
-/// recorded response, so later attempts replay this marker.
-pub const RESOLVED_BY_OPERATOR: &[u8] = br#"{"resolved_by":"operator"}"#;
 
 fn fence_resolve_step(
     conn: &Connection,

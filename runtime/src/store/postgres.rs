@@ -1,0 +1,2474 @@
+//! The PostgreSQL ledger: the same [`Store`] contract as [`super::sqlite`],
+//! on `tokio-postgres` with a `deadpool-postgres` pool.
+//!
+//! # Transactions
+//!
+//! Every trait method is one transaction on one pooled connection (READ
+//! COMMITTED), so PostgreSQL's own group commit does what the SQLite writer
+//! thread does: concurrent transactions that commit together share a WAL
+//! flush. The rules that SQLite gets from having one writer are written
+//! into the statements instead:
+//!
+//! - **Leasing** takes the head of the ready order (priority desc, `run_at`,
+//!   enqueue order) with `FOR UPDATE SKIP LOCKED`, so concurrent leases never
+//!   pick the same job; each leased job gets a token from the sequence
+//!   `fencing_tokens`, in delivery order.
+//! - **The lease check** of every step that writes for an attempt (kv and
+//!   index writes, `fence_begin`, `fence_take_over`) reads the job row with
+//!   `FOR SHARE` (`finish` with `FOR UPDATE`), so a cancel (or anything else
+//!   that moves the job) cannot commit between the check and the write: it
+//!   waits for the step, or the step sees it. The lease-checked reads
+//!   (`kv_get`, `index_get_leased`) check and read in one statement.
+//! - **Dedup** rests on unique constraints: the job's primary key and the
+//!   `dedup (queue, key)` primary key. An enqueue that loses a race on either
+//!   does not fail: a lost `dedup` race reads the winner (the key's row,
+//!   locked, then its job), and a lost id race reruns the whole step, which
+//!   then finds the winner's job like any existing id. Deadlocks and
+//!   serialization failures between concurrent steps rerun the step too
+//!   (a batch is all or none, so rerunning it whole is safe).
+//! - **Fences, kv keys and index documents** are created with `INSERT ... ON
+//!   CONFLICT DO NOTHING` and otherwise moved under `FOR UPDATE`, so two
+//!   attempts never both see a fence absent, or both take one over.
+//! - **Job counts** are kept by statement-level triggers (with transition
+//!   tables) in the transaction that changes the jobs, as SQLite's triggers
+//!   keep them: `job_counts` holds deltas per (queue, state, shard), the shard
+//!   being the server process (`pg_backend_pid() % 64`), so concurrent
+//!   transactions on different connections do not queue on one counter row
+//!   (which they would hold until their commit's fsync). Counting sums at most
+//!   64 rows per queue and state; only `delayed` is counted on an index, in
+//!   proportion to the delayed jobs.
+//!
+//! # What is durable when a method returns
+//!
+//! Every method that writes commits with `synchronous_commit` on (a
+//! connection whose session default is `off` is set back to `on` when the
+//! pool opens it) and returns after its COMMIT returned, that is after the
+//! commit record was flushed to the WAL. With the server's `fsync` on (a
+//! warning is logged at open when it is not), the step then survives a crash
+//! of the server or of the machine:
+//!
+//! - the trait's **durable** methods (`enqueue`, `finish`, `recover`,
+//!   `cancel`, `retry`, `sweep`, `fence_begin`, `fence_take_over`,
+//!   `fence_done`, `fence_release`, `fence_uncertain`, `fence_resolve`):
+//!   durable when they return, as the trait requires;
+//! - the trait's **applied** methods (`lease`, `kv_put`,
+//!   `kv_insert_if_absent`, `kv_delete`, `index_upsert`, `index_remove`,
+//!   `record_effect`): durable when they return too, which is more than the
+//!   trait asks. They are not committed asynchronously
+//!   (`synchronous_commit = off` for their own transaction) although that
+//!   would meet the trait's words: on SQLite an applied step can only be
+//!   lost together with the daemon that applied it, so nothing goes on
+//!   building on it; a PostgreSQL server can crash and come back while the
+//!   daemon runs on, and an attempt would then read back a kv write that is
+//!   gone, complete on top of it, or find its lost lease's fencing token
+//!   handed out again (the sequence's unflushed advance is lost with it).
+//!   PostgreSQL's group commit (concurrent commits share a WAL flush) is
+//!   what keeps this affordable.
+//! - Reads (`job`, `jobs`, `counts`, `next_run_at`, `index_get`, `fences`,
+//!   `effects`, and the lease-checked `kv_get` and `index_get_leased`) see
+//!   committed, hence durable, state; each is one statement or one
+//!   repeatable-read snapshot.
+//! - Fencing tokens come from the sequence `fencing_tokens`, whose advance is
+//!   WAL-logged before a token is handed out and flushed by the lease's
+//!   commit, so a token is never issued twice, across crashes of the server
+//!   too.
+//! - A COMMIT whose answer is lost (the connection broke) is reported as
+//!   `Unavailable`; the step may or may not have happened, which is what
+//!   `Unavailable` means ("may be retried": enqueue by id, fences by key).
+//!
+//! # Schema and migrations
+//!
+//! Versioned migrations ([`MIGRATIONS`]) are applied by [`PostgresStore::open`]
+//! and by [`migrate`] (`khata store migrate`), all pending versions in one
+//! transaction that first takes a transaction-level advisory lock, so that
+//! several daemons starting at once migrate once; `khata_schema_migrations`
+//! records the applied versions. A database whose schema is newer than this
+//! build is refused. The tables live in the first schema of the connection's
+//! `search_path`: give khata a database of its own (or a schema, with
+//! `options=-csearch_path%3Dkhata` in the URL).
+//!
+//! # One daemon per database (for now)
+//!
+//! Crash recovery ([`Store::recover`]) treats every `active` job as abandoned
+//! by a dead process, which is only true while one daemon uses the database.
+//! [`PostgresStore::open`] therefore takes a session-level advisory lock on a
+//! connection of its own and keeps it for the life of the store, as the
+//! SQLite store keeps `khata.lock`; a second daemon fails to start. (Several
+//! daemons with heartbeats and lease expiry come later.)
+//!
+//! # Connections
+//!
+//! Plain TCP or a Unix socket, without TLS (`NoTls`): run the database on
+//! the same machine or a trusted network for now. The URL is a libpq-style
+//! URL or key-value string (`postgres://user:password@host:port/db`).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{
+    GenericClient, Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime,
+};
+use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
+
+use super::{
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, Resolution, Store,
+    StoreError, Swept, UpsertOutcome,
+};
+use crate::job::{
+    Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
+    StateCounts,
+};
+
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
+pub const MIGRATIONS: &[&str] = &[r#"
+-- Fencing tokens: daemon-wide, only growing.
+CREATE SEQUENCE fencing_tokens AS bigint MINVALUE 1 START 1;
+
+-- state is one of waiting, active, completed, dead, cancelled;
+-- 'delayed' is derived: waiting with run_at in the future.
+CREATE TABLE jobs (
+    id           text PRIMARY KEY,
+    queue        text NOT NULL,
+    state        text NOT NULL CHECK (state IN ('waiting', 'active', 'completed', 'dead', 'cancelled')),
+    payload      text NOT NULL,
+    priority     integer NOT NULL,
+    run_at       bigint NOT NULL,
+    seq          bigint GENERATED BY DEFAULT AS IDENTITY UNIQUE,
+    attempt      integer NOT NULL DEFAULT 0,
+    budget_used  integer NOT NULL DEFAULT 0,
+    max_attempts integer NOT NULL,
+    dedup_key    text,
+    enqueued_at  bigint NOT NULL,
+    finished_at  bigint,
+    result       text,
+    last_error   text,
+    lease_token  bigint
+);
+-- The ready order.
+CREATE INDEX jobs_ready ON jobs (queue, priority DESC, run_at, seq) WHERE state = 'waiting';
+-- The next job to become due, and the delayed count.
+CREATE INDEX jobs_due ON jobs (queue, run_at) WHERE state = 'waiting';
+CREATE INDEX jobs_active ON jobs (id) WHERE state = 'active';
+CREATE INDEX jobs_finished ON jobs (finished_at) WHERE state IN ('completed', 'cancelled');
+CREATE INDEX jobs_queue_state ON jobs (queue, state, seq);
+
+CREATE TABLE attempts (
+    job_id     text NOT NULL,
+    number     integer NOT NULL,
+    token      bigint NOT NULL,
+    started_at bigint NOT NULL,
+    ended_at   bigint,
+    outcome    text NOT NULL,
+    error      text,
+    PRIMARY KEY (job_id, number)
+);
+CREATE INDEX attempts_open ON attempts (job_id) WHERE ended_at IS NULL;
+
+-- A dedup key points at the job that holds it; hold_until keeps it held
+-- after that job ends (dedup_for). The primary key is what makes
+-- concurrent enqueues of one key create one job.
+CREATE TABLE dedup (
+    queue      text NOT NULL,
+    key        text NOT NULL,
+    job_id     text NOT NULL,
+    hold_until bigint,
+    PRIMARY KEY (queue, key)
+);
+
+CREATE TABLE kv (
+    namespace text NOT NULL,
+    key       text NOT NULL,
+    value     bytea NOT NULL,
+    PRIMARY KEY (namespace, key)
+);
+
+-- document NULL is a tombstone that keeps its version.
+CREATE TABLE index_docs (
+    collection text NOT NULL,
+    id         text NOT NULL,
+    version    bigint NOT NULL,
+    document   text,
+    updated_at bigint NOT NULL,
+    PRIMARY KEY (collection, id)
+);
+
+-- One fence per effect (DESIGN 4): started -> done, uncertain, or deleted.
+CREATE TABLE fences (
+    namespace   text NOT NULL,
+    kind        text NOT NULL,
+    key         text NOT NULL,
+    state       text NOT NULL CHECK (state IN ('started', 'done', 'uncertain')),
+    fingerprint bytea NOT NULL,
+    job_id      text NOT NULL,
+    attempt     integer NOT NULL,
+    token       bigint NOT NULL,
+    result      bytea,
+    created_at  bigint NOT NULL,
+    updated_at  bigint NOT NULL,
+    PRIMARY KEY (namespace, kind, key)
+);
+CREATE INDEX fences_state ON fences (state, updated_at);
+
+-- The effects each attempt performed or replayed, in the order recorded.
+CREATE TABLE effects (
+    n       bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    job_id  text NOT NULL,
+    attempt integer NOT NULL,
+    kind    text NOT NULL,
+    key     text NOT NULL,
+    outcome text NOT NULL,
+    at      bigint NOT NULL
+);
+CREATE INDEX effects_job ON effects (job_id, attempt, n);
+
+-- Jobs per queue and stored state, kept by the triggers below in the
+-- transaction that changes the jobs, so that counting never scans the jobs.
+-- The count of (queue, state) is the sum over its shards; a shard is the
+-- server process that wrote the delta, so that concurrent transactions do
+-- not wait on one another's counter row until their commits.
+CREATE TABLE job_counts (
+    queue text NOT NULL,
+    state text NOT NULL,
+    shard integer NOT NULL,
+    n     bigint NOT NULL,
+    PRIMARY KEY (queue, state, shard)
+);
+
+CREATE FUNCTION job_counts_add() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO job_counts (queue, state, shard, n)
+            SELECT queue, state, pg_backend_pid() % 64, COUNT(*) FROM new_rows GROUP BY queue, state
+            ON CONFLICT (queue, state, shard) DO UPDATE SET n = job_counts.n + EXCLUDED.n;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO job_counts (queue, state, shard, n)
+            SELECT queue, state, pg_backend_pid() % 64, -COUNT(*) FROM old_rows GROUP BY queue, state
+            ON CONFLICT (queue, state, shard) DO UPDATE SET n = job_counts.n + EXCLUDED.n;
+    ELSE
+        INSERT INTO job_counts (queue, state, shard, n)
+            SELECT queue, state, pg_backend_pid() % 64, SUM(d) FROM (
+                SELECT o.queue, o.state, -1 AS d FROM old_rows o JOIN new_rows w ON w.id = o.id
+                    WHERE o.state <> w.state OR o.queue <> w.queue
+                UNION ALL
+                SELECT w.queue, w.state, 1 AS d FROM old_rows o JOIN new_rows w ON w.id = o.id
+                    WHERE o.state <> w.state OR o.queue <> w.queue
+            ) moved GROUP BY queue, state HAVING SUM(d) <> 0
+            ON CONFLICT (queue, state, shard) DO UPDATE SET n = job_counts.n + EXCLUDED.n;
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER job_counts_insert AFTER INSERT ON jobs
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION job_counts_add();
+CREATE TRIGGER job_counts_update AFTER UPDATE ON jobs
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION job_counts_add();
+CREATE TRIGGER job_counts_delete AFTER DELETE ON jobs
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION job_counts_add();
+"#];
+
+/// The advisory lock that serialises migrations (transaction-level).
+const MIGRATION_LOCK: i64 = 0x6b68_6174_615f_6d67; // "khata_mg"
+/// The advisory lock one daemon holds for the life of its store (session-level).
+const DAEMON_LOCK: i64 = 0x6b68_6174_615f_6431; // "khata_d1"
+
+/// How often a step is rerun after losing a race (deadlock, serialization
+/// failure, unique violation) before it gives up as `Unavailable`.
+const MAX_RERUNS: u32 = 20;
+/// How long `open` keeps asking for the daemon lock: a daemon killed a
+/// moment ago may still hold it until its server process notices.
+const LOCK_PATIENCE: Duration = Duration::from_secs(15);
+/// Rows of each kind removed by one sweep at most, whatever `limit` says.
+const MAX_SWEEP: u32 = 10_000;
+
+const JOB_COLUMNS: &str = "id, queue, state, payload, priority, attempt, budget_used, max_attempts, \
+     dedup_key, run_at, enqueued_at, finished_at, result, last_error";
+
+const FENCE_COLUMNS: &str = "namespace, kind, key, state, fingerprint, job_id, attempt, token, result, created_at, updated_at";
+
+use super::RESOLVED_BY_OPERATOR;
+
+/// What `migrate` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Migrated {
+    /// The schema version found.
+    pub from: i32,
+    /// The schema version now (this build's [`SCHEMA_VERSION`]).
+    pub to: i32,
+}
+
+/// A PostgreSQL ledger.
+pub struct PostgresStore {
+    pool: Pool,
+    /// `host:port/dbname`, for messages (never the password).
+    target: String,
+    /// Holds the daemon lock while the store lives.
+    _lock: AbortOnDrop,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("target", &self.target)
+            .finish()
+    }
+}
+
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+fn unavailable(e: impl fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+/// A driver error as a sentence: the server's code and message when it sent
+/// one, else the driver's error and its cause.
+fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut s = format!(
+            "PostgreSQL {} {}: {}",
+            db.severity(),
+            db.code().code(),
+            db.message()
+        );
+        if let Some(detail) = db.detail() {
+            s.push_str(&format!(" ({detail})"));
+        }
+        return s;
+    }
+    match std::error::Error::source(e) {
+        Some(cause) => format!("PostgreSQL: {e}: {cause}"),
+        None => format!("PostgreSQL: {e}"),
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> StoreError {
+        StoreError::Unavailable(describe(&e))
+    }
+}
+
+/// Why a step stopped: for good, or because it lost a race with a
+/// concurrent transaction and a rerun will see the winner.
+#[derive(Debug)]
+enum Fail {
+    Store(StoreError),
+    Rerun(String),
+}
+
+impl From<StoreError> for Fail {
+    fn from(e: StoreError) -> Fail {
+        Fail::Store(e)
+    }
+}
+
+impl From<tokio_postgres::Error> for Fail {
+    fn from(e: tokio_postgres::Error) -> Fail {
+        match e.code() {
+            Some(c)
+                if *c == SqlState::T_R_DEADLOCK_DETECTED
+                    || *c == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *c == SqlState::UNIQUE_VIOLATION =>
+            {
+                Fail::Rerun(describe(&e))
+            }
+            _ => Fail::Store(e.into()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Opening, migrating, the daemon lock
+// ---------------------------------------------------------------------------
+
+/// Parses a connection URL (or key-value string). The error never repeats
+/// the URL, which may hold a password.
+pub fn parse_url(url: &str) -> Result<tokio_postgres::Config, StoreError> {
+    tokio_postgres::Config::from_str(url).map_err(|e| {
+        StoreError::Unavailable(format!("the PostgreSQL URL is not valid: {}", describe(&e)))
+    })
+}
+
+/// `host:port/dbname` of a configuration, for messages.
+fn target_of(cfg: &tokio_postgres::Config) -> String {
+    let hosts: Vec<String> = cfg
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(name) => name.clone(),
+            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .collect();
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    format!(
+        "{}:{port}/{}",
+        if hosts.is_empty() {
+            "localhost".to_owned()
+        } else {
+            hosts.join(",")
+        },
+        cfg.get_dbname().unwrap_or("(default)")
+    )
+}
+
+fn with_defaults(mut cfg: tokio_postgres::Config) -> tokio_postgres::Config {
+    if cfg.get_application_name().is_none() {
+        cfg.application_name("khata");
+    }
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(Duration::from_secs(10));
+    }
+    cfg
+}
+
+async fn connect(
+    cfg: &tokio_postgres::Config,
+) -> Result<(tokio_postgres::Client, JoinHandle<()>), StoreError> {
+    let (client, connection) = cfg.connect(NoTls).await.map_err(|e| {
+        StoreError::Unavailable(format!(
+            "cannot connect to PostgreSQL at {}: {}",
+            target_of(cfg),
+            describe(&e)
+        ))
+    })?;
+    let task = tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "PostgreSQL connection ended");
+        }
+    });
+    Ok((client, task))
+}
+
+/// Applies every pending migration, in one transaction under the migration
+/// lock. Returns the versions before and after.
+pub async fn migrate(url: &str) -> Result<Migrated, StoreError> {
+    let cfg = with_defaults(parse_url(url)?);
+    let (mut client, task) = connect(&cfg).await?;
+    let out = migrate_client(&mut client).await;
+    drop(client);
+    let _ = task.await;
+    out
+}
+
+async fn migrate_client(client: &mut tokio_postgres::Client) -> Result<Migrated, StoreError> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS khata_schema_migrations (
+             version    integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )",
+    )
+    .await?;
+    let from: i32 = tx
+        .query_one(
+            "SELECT COALESCE(MAX(version), 0) FROM khata_schema_migrations",
+            &[],
+        )
+        .await?
+        .try_get(0)?;
+    if from > SCHEMA_VERSION {
+        return Err(unavailable(format!(
+            "the database has khata schema version {from}, newer than this khata ({SCHEMA_VERSION}); upgrade khata"
+        )));
+    }
+    for (i, sql) in MIGRATIONS
+        .iter()
+        .enumerate()
+        .skip(usize::try_from(from).unwrap_or(0))
+    {
+        let version = i32::try_from(i + 1).unwrap_or(i32::MAX);
+        tx.batch_execute(sql).await.map_err(|e| {
+            unavailable(format!(
+                "migration to schema version {version} failed: {}",
+                describe(&e)
+            ))
+        })?;
+        tx.execute(
+            "INSERT INTO khata_schema_migrations (version) VALUES ($1)",
+            &[&version],
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(Migrated {
+        from,
+        to: SCHEMA_VERSION.max(from),
+    })
+}
+
+/// Takes the daemon lock on a connection of its own; `None` when another
+/// session holds it.
+async fn take_daemon_lock(
+    cfg: &tokio_postgres::Config,
+) -> Result<Option<(tokio_postgres::Client, JoinHandle<()>)>, StoreError> {
+    let (client, task) = connect(cfg).await?;
+    let got: bool = client
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&DAEMON_LOCK])
+        .await?
+        .try_get(0)?;
+    Ok(got.then_some((client, task)))
+}
+
+/// Keeps the daemon lock: when its connection ends (the server restarted,
+/// the network broke), takes it again.
+async fn hold_daemon_lock(
+    cfg: tokio_postgres::Config,
+    mut held: (tokio_postgres::Client, JoinHandle<()>),
+) {
+    let target = target_of(&cfg);
+    loop {
+        let (client, task) = held;
+        let _ = task.await;
+        drop(client);
+        tracing::error!(database = %target, "the connection holding the daemon lock closed; taking the lock again");
+        held = loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            match take_daemon_lock(&cfg).await {
+                Ok(Some(h)) => {
+                    tracing::info!(database = %target, "the daemon lock is held again");
+                    break h;
+                }
+                Ok(None) => {
+                    tracing::error!(database = %target, "another khata daemon took the daemon lock of this database; two daemons must not share it in this release");
+                }
+                Err(e) => {
+                    tracing::warn!(database = %target, error = %e, "cannot take the daemon lock yet")
+                }
+            }
+        };
+    }
+}
+
+impl PostgresStore {
+    /// Opens the ledger at `url` with at most `pool` connections: applies
+    /// pending migrations and takes the daemon lock (a second daemon on the
+    /// same database fails here).
+    pub async fn open(url: &str, pool: usize) -> Result<PostgresStore, StoreError> {
+        Self::open_config(parse_url(url)?, pool).await
+    }
+
+    /// [`open`](Self::open) with a parsed configuration.
+    pub async fn open_config(
+        cfg: tokio_postgres::Config,
+        pool: usize,
+    ) -> Result<PostgresStore, StoreError> {
+        Self::open_inner(cfg, pool, LOCK_PATIENCE).await
+    }
+
+    async fn open_inner(
+        cfg: tokio_postgres::Config,
+        pool: usize,
+        patience: Duration,
+    ) -> Result<PostgresStore, StoreError> {
+        let cfg = with_defaults(cfg);
+        let target = target_of(&cfg);
+        {
+            let (mut client, task) = connect(&cfg).await?;
+            migrate_client(&mut client).await?;
+            warn_if_not_durable(&client, &target).await?;
+            drop(client);
+            let _ = task.await;
+        }
+        let started = std::time::Instant::now();
+        let held = loop {
+            if let Some(h) = take_daemon_lock(&cfg).await? {
+                break h;
+            }
+            if started.elapsed() > patience {
+                return Err(unavailable(format!(
+                    "another khata daemon uses the database {target} (it holds the daemon lock); \
+                     one daemon per database in this release"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        let lock = AbortOnDrop(tokio::spawn(hold_daemon_lock(cfg.clone(), held)));
+
+        let manager = Manager::from_config(
+            cfg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(pool.max(1))
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(Duration::from_secs(10)))
+            .wait_timeout(Some(Duration::from_secs(60)))
+            .recycle_timeout(Some(Duration::from_secs(10)))
+            .post_create(Hook::async_fn(|client, _| {
+                Box::pin(async move {
+                    // Durable steps rely on the session's synchronous_commit:
+                    // never let a server default of `off` weaken them.
+                    client
+                        .batch_execute(
+                            "SELECT set_config('synchronous_commit', 'on', false) \
+                             WHERE current_setting('synchronous_commit') = 'off'",
+                        )
+                        .await
+                        .map_err(HookError::Backend)
+                })
+            }))
+            .build()
+            .map_err(unavailable)?;
+        Ok(PostgresStore {
+            pool,
+            target,
+            _lock: lock,
+        })
+    }
+
+    /// `host:port/dbname` of the database.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
+        self.pool.get().await.map_err(|e| {
+            StoreError::Unavailable(match e {
+                deadpool_postgres::PoolError::Backend(e) => {
+                    format!("PostgreSQL at {}: {}", self.target, describe(&e))
+                }
+                other => format!("PostgreSQL at {}: {other}", self.target),
+            })
+        })
+    }
+}
+
+async fn warn_if_not_durable(
+    client: &tokio_postgres::Client,
+    target: &str,
+) -> Result<(), StoreError> {
+    let fsync: String = client.query_one("SHOW fsync", &[]).await?.try_get(0)?;
+    if fsync != "on" {
+        tracing::error!(database = %target, "the PostgreSQL server runs with fsync = off: its commits are not durable, and a crash of the machine may lose acknowledged jobs");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Steps: one transaction each
+// ---------------------------------------------------------------------------
+
+/// What a step's transaction does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Writes; COMMIT waits for the WAL flush (the session's
+    /// `synchronous_commit`, which the pool keeps on). The trait's applied
+    /// steps too: see the module's notes on durability.
+    Write,
+    /// Reads only, one snapshot.
+    Read,
+}
+
+async fn begin(
+    client: &mut deadpool_postgres::Client,
+    mode: Mode,
+) -> Result<deadpool_postgres::Transaction<'_>, StoreError> {
+    Ok(match mode {
+        Mode::Read => {
+            client
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await?
+        }
+        Mode::Write => client.transaction().await?,
+    })
+}
+
+/// Runs `$body` (an expression of type `Result<T, Fail>` that may `.await`
+/// and use `?`, with the transaction bound to `$tx`) in one transaction and
+/// commits it; reruns the whole step when it lost a race.
+macro_rules! step {
+    ($store:expr, $mode:expr, |$tx:ident| $body:expr) => {{
+        let mut reruns = 0u32;
+        loop {
+            let mut client = $store.client().await?;
+            let $tx = begin(&mut client, $mode).await?;
+            let out: Result<_, Fail> = async { $body }.await;
+            match out {
+                Ok(v) => match $tx.commit().await {
+                    Ok(()) => break Ok(v),
+                    Err(e) => break Err(StoreError::from(e)),
+                },
+                Err(Fail::Store(e)) => {
+                    let _ = $tx.rollback().await;
+                    break Err(e);
+                }
+                Err(Fail::Rerun(why)) => {
+                    let _ = $tx.rollback().await;
+                    reruns += 1;
+                    if reruns > MAX_RERUNS {
+                        break Err(StoreError::Unavailable(format!(
+                            "gave up after {MAX_RERUNS} conflicts with concurrent steps: {why}"
+                        )));
+                    }
+                    tracing::debug!(reruns, reason = %why, "store step lost a race; running it again");
+                    tokio::time::sleep(Duration::from_millis(u64::from(reruns.min(10)) * 2))
+                        .await;
+                }
+            }
+        }
+    }};
+}
+
+// Query helpers over a transaction or a plain pooled connection, with
+// statements prepared once per connection.
+
+type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+async fn rows<C: GenericClient>(c: &C, sql: &str, params: Params<'_>) -> Result<Vec<Row>, Fail> {
+    let stmt = c.prepare_cached(sql).await?;
+    Ok(c.query(&stmt, params).await?)
+}
+
+async fn row_opt<C: GenericClient>(
+    c: &C,
+    sql: &str,
+    params: Params<'_>,
+) -> Result<Option<Row>, Fail> {
+    let stmt = c.prepare_cached(sql).await?;
+    Ok(c.query_opt(&stmt, params).await?)
+}
+
+async fn exec<C: GenericClient>(c: &C, sql: &str, params: Params<'_>) -> Result<u64, Fail> {
+    let stmt = c.prepare_cached(sql).await?;
+    Ok(c.execute(&stmt, params).await?)
+}
+
+/// A step's failure as the trait reports it.
+fn store_err(f: Fail) -> StoreError {
+    match f {
+        Fail::Store(e) => e,
+        Fail::Rerun(why) => StoreError::Unavailable(why),
+    }
+}
+
+fn i32_of(v: u32) -> i32 {
+    i32::try_from(v).unwrap_or(i32::MAX)
+}
+
+fn u32_of(v: i32) -> u32 {
+    u32::try_from(v).unwrap_or(0)
+}
+
+fn i64_of(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn u64_of(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+fn stored_state(s: &str) -> JobState {
+    s.parse().unwrap_or(JobState::Dead)
+}
+
+/// The reported state: waiting with `run_at` in the future is delayed.
+fn visible_state(stored: JobState, run_at: Millis, now: Millis) -> JobState {
+    if stored == JobState::Waiting && run_at > now {
+        JobState::Delayed
+    } else {
+        stored
+    }
+}
+
+fn job_from_row(r: &Row, now: Millis) -> Result<Job, Fail> {
+    let state: String = r.try_get(2)?;
+    let run_at = Millis(r.try_get(9)?);
+    Ok(Job {
+        id: r.try_get(0)?,
+        queue: r.try_get(1)?,
+        state: visible_state(stored_state(&state), run_at, now),
+        payload: r.try_get(3)?,
+        priority: r.try_get(4)?,
+        attempt: u32_of(r.try_get(5)?),
+        budget_used: u32_of(r.try_get(6)?),
+        max_attempts: u32_of(r.try_get(7)?),
+        dedup_key: r.try_get(8)?,
+        run_at,
+        enqueued_at: Millis(r.try_get(10)?),
+        finished_at: r.try_get::<_, Option<i64>>(11)?.map(Millis),
+        result: r.try_get(12)?,
+        last_error: r.try_get(13)?,
+        attempts: Vec::new(),
+    })
+}
+
+async fn load_job<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<Option<Job>, Fail> {
+    const SQL: &str = "SELECT id, queue, state, payload, priority, attempt, budget_used, max_attempts, \
+         dedup_key, run_at, enqueued_at, finished_at, result, last_error FROM jobs WHERE id = $1";
+    match row_opt(c, SQL, &[&id]).await? {
+        Some(r) => Ok(Some(job_from_row(&r, now)?)),
+        None => Ok(None),
+    }
+}
+
+/// The job, its row locked for update, with its lease token.
+async fn lock_job<C: GenericClient>(
+    c: &C,
+    id: &str,
+    now: Millis,
+) -> Result<(Job, Option<i64>), Fail> {
+    const SQL: &str = "SELECT id, queue, state, payload, priority, attempt, budget_used, max_attempts, \
+         dedup_key, run_at, enqueued_at, finished_at, result, last_error, lease_token FROM jobs \
+         WHERE id = $1 FOR UPDATE";
+    let r = row_opt(c, SQL, &[&id])
+        .await?
+        .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+    Ok((job_from_row(&r, now)?, r.try_get(14)?))
+}
+
+async fn load_attempts<C: GenericClient>(c: &C, id: &str) -> Result<Vec<Attempt>, Fail> {
+    let rows = rows(
+        c,
+        "SELECT number, token, started_at, ended_at, outcome, error FROM attempts \
+         WHERE job_id = $1 ORDER BY number",
+        &[&id],
+    )
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let outcome: String = r.try_get(4)?;
+            Ok(Attempt {
+                number: u32_of(r.try_get(0)?),
+                fencing_token: u64_of(r.try_get(1)?),
+                started_at: Millis(r.try_get(2)?),
+                ended_at: r.try_get::<_, Option<i64>>(3)?.map(Millis),
+                outcome: AttemptOutcome::parse(&outcome).unwrap_or(AttemptOutcome::Error),
+                error: r.try_get(5)?,
+            })
+        })
+        .collect()
+}
+
+/// Checks that `lease` holds its job: the job is active under that token.
+/// With `lock`, the job row is share-locked until the step ends, so nothing
+/// can move the job between this check and the step's writes.
+async fn check_lease<C: GenericClient>(c: &C, lease: &LeaseRef, lock: bool) -> Result<(), Fail> {
+    let sql = if lock {
+        "SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' FOR SHARE"
+    } else {
+        "SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active'"
+    };
+    let held: Option<i64> = match row_opt(c, sql, &[&lease.job_id]).await? {
+        Some(r) => r.try_get(0)?,
+        None => None,
+    };
+    Ok(holds(lease, held)?)
+}
+
+/// `Fenced` unless `held` (the job's token, when it is active) is the lease's.
+fn holds(lease: &LeaseRef, held: Option<i64>) -> Result<(), StoreError> {
+    if held == Some(i64_of(lease.token)) {
+        Ok(())
+    } else {
+        Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        })
+    }
+}
+
+/// Releases the dedup keys of `ids` that still point at their job and are
+/// not held by `dedup_for` (compare-and-swap on the holder).
+async fn release_dedup<C: GenericClient>(c: &C, ids: &[String], now: Millis) -> Result<(), Fail> {
+    exec(
+        c,
+        "DELETE FROM dedup d USING jobs j \
+         WHERE j.id = ANY($1::text[]) AND j.dedup_key IS NOT NULL \
+           AND d.queue = j.queue AND d.key = j.dedup_key AND d.job_id = j.id \
+           AND (d.hold_until IS NULL OR d.hold_until <= $2)",
+        &[&ids, &now.0],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Takes the dedup key `(queue, key)` for the new job `id`, or returns the
+/// job that holds it (live, or held by `dedup_for`).
+async fn take_dedup_key<C: GenericClient>(
+    c: &C,
+    queue: &str,
+    key: &str,
+    id: &str,
+    hold_until: Option<i64>,
+    now: Millis,
+) -> Result<Option<Job>, Fail> {
+    for _ in 0..MAX_RERUNS {
+        // Locking the key's row waits for a concurrent enqueue that holds it;
+        // the holder's job is then read in a later statement, whose snapshot
+        // sees that enqueue's commit.
+        let row = row_opt(
+            c,
+            "SELECT job_id, hold_until FROM dedup WHERE queue = $1 AND key = $2 FOR UPDATE",
+            &[&queue, &key],
+        )
+        .await?;
+        if let Some(r) = row {
+            let holder_id: String = r.try_get(0)?;
+            let held: Option<i64> = r.try_get(1)?;
+            if let Some(holder) = load_job(c, &holder_id, now).await?
+                && (holder.state.is_live() || held.is_some_and(|h| h > now.0))
+            {
+                return Ok(Some(holder));
+            }
+            exec(
+                c,
+                "UPDATE dedup SET job_id = $3, hold_until = $4 WHERE queue = $1 AND key = $2",
+                &[&queue, &key, &id, &hold_until],
+            )
+            .await?;
+            return Ok(None);
+        }
+        let inserted = exec(
+            c,
+            "INSERT INTO dedup (queue, key, job_id, hold_until) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (queue, key) DO NOTHING",
+            &[&queue, &key, &id, &hold_until],
+        )
+        .await?;
+        if inserted == 1 {
+            return Ok(None);
+        }
+        // A concurrent enqueue took the key and committed: look again.
+    }
+    Err(Fail::Rerun(format!(
+        "dedup key {key:?} of queue {queue:?} kept changing"
+    )))
+}
+
+async fn enqueue_one<C: GenericClient>(
+    c: &C,
+    job: &NewJob,
+    index: usize,
+    now: Millis,
+) -> Result<Enqueued, Fail> {
+    if let Some(id) = &job.id
+        && let Some(existing) = load_job(c, id, now).await?
+    {
+        if existing.payload == job.payload && existing.queue == job.queue {
+            return Ok(Enqueued {
+                job: existing,
+                deduplicated: true,
+            });
+        }
+        return Err(Fail::Store(StoreError::IdReused {
+            id: id.clone(),
+            index,
+        }));
+    }
+    let id = job
+        .id
+        .clone()
+        .unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+    if let Some(key) = &job.dedup_key {
+        let hold_until = job.dedup_for.map(|d| now.plus(d).0);
+        if let Some(holder) = take_dedup_key(c, &job.queue, key, &id, hold_until, now).await? {
+            return Ok(Enqueued {
+                job: holder,
+                deduplicated: true,
+            });
+        }
+    }
+    let max_attempts = i32_of(job.max_attempts);
+    let inserted = exec(
+        c,
+        "INSERT INTO jobs (id, queue, state, payload, priority, run_at, max_attempts, dedup_key, enqueued_at) \
+         VALUES ($1, $2, 'waiting', $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING",
+        &[
+            &id,
+            &job.queue,
+            &job.payload,
+            &job.priority,
+            &job.run_at.0,
+            &max_attempts,
+            &job.dedup_key,
+            &now.0,
+        ],
+    )
+    .await?;
+    if inserted == 0 {
+        // A concurrent enqueue of this id committed first. Rerun the whole
+        // step: it then finds that job like any existing id.
+        return Err(Fail::Rerun(format!(
+            "a concurrent enqueue created job {id:?}"
+        )));
+    }
+    // The row just written, without reading it back.
+    Ok(Enqueued {
+        job: Job {
+            id,
+            queue: job.queue.clone(),
+            state: visible_state(JobState::Waiting, job.run_at, now),
+            payload: job.payload.clone(),
+            priority: job.priority,
+            attempt: 0,
+            budget_used: 0,
+            max_attempts: job.max_attempts,
+            dedup_key: job.dedup_key.clone(),
+            run_at: job.run_at,
+            enqueued_at: now,
+            finished_at: None,
+            result: None,
+            last_error: None,
+            attempts: Vec::new(),
+        },
+        deduplicated: false,
+    })
+}
+
+async fn lease_batch<C: GenericClient>(
+    c: &C,
+    queue: &str,
+    max: u32,
+    now: Millis,
+) -> Result<Vec<Lease>, Fail> {
+    let picked = rows(
+        c,
+        "SELECT id, payload, attempt, max_attempts, enqueued_at FROM jobs \
+         WHERE queue = $1 AND state = 'waiting' AND run_at <= $2 \
+         ORDER BY priority DESC, run_at, seq LIMIT $3 FOR UPDATE SKIP LOCKED",
+        &[&queue, &now.0, &i64::from(max)],
+    )
+    .await?;
+    if picked.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n = i32::try_from(picked.len()).unwrap_or(i32::MAX);
+    let mut tokens: Vec<i64> = rows(
+        c,
+        "SELECT nextval('fencing_tokens') FROM generate_series(1, $1)",
+        &[&n],
+    )
+    .await?
+    .iter()
+    .map(|r| r.try_get(0))
+    .collect::<Result<_, _>>()?;
+    // In delivery order, tokens grow.
+    tokens.sort_unstable();
+    let mut leases = Vec::with_capacity(picked.len());
+    let mut ids = Vec::with_capacity(picked.len());
+    for (r, token) in picked.iter().zip(&tokens) {
+        let id: String = r.try_get(0)?;
+        ids.push(id.clone());
+        leases.push(Lease {
+            job_id: id,
+            queue: queue.to_owned(),
+            payload: r.try_get(1)?,
+            attempt: u32_of(r.try_get(2)?) + 1,
+            max_attempts: u32_of(r.try_get(3)?),
+            enqueued_at: Millis(r.try_get(4)?),
+            token: u64_of(*token),
+        });
+    }
+    exec(
+        c,
+        "WITH leased AS ( \
+             UPDATE jobs j SET state = 'active', attempt = j.attempt + 1, \
+                 budget_used = j.budget_used + 1, lease_token = v.token \
+             FROM unnest($1::text[], $2::bigint[]) AS v(id, token) WHERE j.id = v.id \
+             RETURNING j.id, j.attempt, j.lease_token) \
+         INSERT INTO attempts (job_id, number, token, started_at, outcome) \
+         SELECT id, attempt, lease_token, $3, 'running' FROM leased",
+        &[&ids, &tokens, &now.0],
+    )
+    .await?;
+    Ok(leases)
+}
+
+async fn close_attempt<C: GenericClient>(
+    c: &C,
+    lease: &LeaseRef,
+    outcome: AttemptOutcome,
+    error: Option<&str>,
+    now: Millis,
+) -> Result<(), Fail> {
+    exec(
+        c,
+        "UPDATE attempts SET ended_at = $3, outcome = $4, error = $5 \
+         WHERE job_id = $1 AND token = $2 AND ended_at IS NULL",
+        &[
+            &lease.job_id,
+            &i64_of(lease.token),
+            &now.0,
+            &outcome.as_str(),
+            &error,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Moves a job to a final state (completed, dead, cancelled).
+async fn end_job<C: GenericClient>(
+    c: &C,
+    id: &str,
+    state: JobState,
+    result: Option<&str>,
+    error: Option<&str>,
+    now: Millis,
+) -> Result<(), Fail> {
+    exec(
+        c,
+        "UPDATE jobs SET state = $2, finished_at = $3, result = COALESCE($4, result), \
+         last_error = COALESCE($5, last_error), lease_token = NULL WHERE id = $1",
+        &[&id, &state.as_str(), &now.0, &result, &error],
+    )
+    .await?;
+    release_dedup(c, &[id.to_owned()], now).await
+}
+
+/// The attempt's end. `Ok(Err(Fenced))` when the attempt no longer holds its
+/// job: its record is closed all the same, and that part commits.
+async fn finish_step<C: GenericClient>(
+    c: &C,
+    lease: &LeaseRef,
+    finish: &Finish,
+    now: Millis,
+) -> Result<Result<JobState, StoreError>, Fail> {
+    let (job, token) = lock_job(c, &lease.job_id, now).await?;
+    let holds = job.state == JobState::Active && token == Some(i64_of(lease.token));
+    let (outcome, error) = match finish {
+        Finish::Completed { .. } => (AttemptOutcome::Completed, None),
+        Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
+            (*outcome, Some(error.as_str()))
+        }
+        Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
+    };
+    if !holds {
+        // Cancelled (or recovered) meanwhile: record how the attempt ended,
+        // leave the job alone.
+        let outcome = if job.state == JobState::Cancelled {
+            AttemptOutcome::Cancelled
+        } else {
+            outcome
+        };
+        close_attempt(c, lease, outcome, error, now).await?;
+        return Ok(Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        }));
+    }
+    close_attempt(c, lease, outcome, error, now).await?;
+    let next = match finish {
+        Finish::Completed { result } => {
+            end_job(c, &job.id, JobState::Completed, Some(result), None, now).await?;
+            JobState::Completed
+        }
+        Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => {
+            exec(
+                c,
+                "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL \
+                 WHERE id = $1",
+                &[&job.id, &run_at.0, error],
+            )
+            .await?;
+            visible_state(JobState::Waiting, *run_at, now)
+        }
+        Finish::Retry { error, .. } => {
+            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
+            end_job(c, &job.id, JobState::Dead, None, Some(&error), now).await?;
+            JobState::Dead
+        }
+        Finish::Fail { error, .. } => {
+            end_job(c, &job.id, JobState::Dead, None, Some(error), now).await?;
+            JobState::Dead
+        }
+        Finish::Interrupted { error } => {
+            exec(
+                c,
+                "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL, \
+                 budget_used = GREATEST(budget_used - 1, 0) WHERE id = $1",
+                &[&job.id, &now.0, error],
+            )
+            .await?;
+            JobState::Waiting
+        }
+    };
+    Ok(Ok(next))
+}
+
+const ABANDONED: &str = "abandoned: the daemon stopped during this attempt";
+
+async fn recover_step<C: GenericClient>(c: &C, now: Millis) -> Result<u64, Fail> {
+    let active = rows(
+        c,
+        "SELECT id, budget_used, max_attempts FROM jobs WHERE state = 'active' ORDER BY id FOR UPDATE",
+        &[],
+    )
+    .await?;
+    // Every open attempt is closed: those of the active jobs, and any left
+    // open without an active job (should not happen).
+    exec(
+        c,
+        "UPDATE attempts SET ended_at = $1, outcome = 'abandoned', error = $2 WHERE ended_at IS NULL",
+        &[&now.0, &ABANDONED],
+    )
+    .await?;
+    for r in &active {
+        let id: String = r.try_get(0)?;
+        let used: i32 = r.try_get(1)?;
+        let max: i32 = r.try_get(2)?;
+        if used < max {
+            exec(
+                c,
+                "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL \
+                 WHERE id = $1",
+                &[&id, &now.0, &ABANDONED],
+            )
+            .await?;
+        } else {
+            let error = format!("{ABANDONED} (attempt budget of {max} used up)");
+            end_job(c, &id, JobState::Dead, None, Some(&error), now).await?;
+        }
+    }
+    Ok(active.len() as u64)
+}
+
+async fn cancel_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<(Job, bool), Fail> {
+    let (job, _) = lock_job(c, id, now).await?;
+    if !job.state.is_live() {
+        return Err(Fail::Store(StoreError::InvalidState {
+            id: id.to_owned(),
+            state: job.state,
+            wanted: "only a waiting, delayed or active job can be cancelled",
+        }));
+    }
+    let was_active = job.state == JobState::Active;
+    end_job(c, id, JobState::Cancelled, None, None, now).await?;
+    let job = load_job(c, id, now)
+        .await?
+        .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+    Ok((job, was_active))
+}
+
+async fn retry_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<Job, Fail> {
+    let (job, _) = lock_job(c, id, now).await?;
+    if !matches!(job.state, JobState::Dead | JobState::Cancelled) {
+        return Err(Fail::Store(StoreError::InvalidState {
+            id: id.to_owned(),
+            state: job.state,
+            wanted: "only a dead or cancelled job can be retried",
+        }));
+    }
+    exec(
+        c,
+        "UPDATE jobs SET state = 'waiting', run_at = $2, budget_used = 0, finished_at = NULL \
+         WHERE id = $1",
+        &[&id, &now.0],
+    )
+    .await?;
+    // Take the dedup key back if no other job holds it.
+    if let Some(key) = &job.dedup_key {
+        exec(
+            c,
+            "INSERT INTO dedup (queue, key, job_id, hold_until) VALUES ($1, $2, $3, NULL) \
+             ON CONFLICT (queue, key) DO NOTHING",
+            &[&job.queue, key, &id],
+        )
+        .await?;
+    }
+    Ok(load_job(c, id, now)
+        .await?
+        .ok_or_else(|| StoreError::NotFound(id.to_owned()))?)
+}
+
+async fn sweep_step<C: GenericClient>(
+    c: &C,
+    now: Millis,
+    jobs: Duration,
+    fences: Duration,
+    limit: u32,
+) -> Result<Swept, Fail> {
+    let limit = i64::from(limit.min(MAX_SWEEP));
+    let ids: Vec<String> = rows(
+        c,
+        "SELECT id FROM jobs WHERE state IN ('completed', 'cancelled') AND finished_at < $1 \
+         LIMIT $2 FOR UPDATE SKIP LOCKED",
+        &[&now.minus(jobs).0, &limit],
+    )
+    .await?
+    .iter()
+    .map(|r| r.try_get(0))
+    .collect::<Result<_, _>>()?;
+    if !ids.is_empty() {
+        release_dedup(c, &ids, now).await?;
+        exec(
+            c,
+            "DELETE FROM attempts WHERE job_id = ANY($1::text[])",
+            &[&ids],
+        )
+        .await?;
+        exec(
+            c,
+            "DELETE FROM effects WHERE job_id = ANY($1::text[])",
+            &[&ids],
+        )
+        .await?;
+        exec(c, "DELETE FROM jobs WHERE id = ANY($1::text[])", &[&ids]).await?;
+    }
+    let fences_removed = exec(
+        c,
+        "DELETE FROM fences WHERE (namespace, kind, key) IN \
+         (SELECT namespace, kind, key FROM fences WHERE state = 'done' AND updated_at < $1 \
+          LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        &[&now.minus(fences).0, &limit],
+    )
+    .await?;
+    // A dedup row whose hold expired and whose job is no longer live.
+    let dedup_removed = exec(
+        c,
+        "DELETE FROM dedup WHERE (queue, key) IN (SELECT d.queue, d.key FROM dedup d \
+           LEFT JOIN jobs j ON j.id = d.job_id \
+           WHERE (d.hold_until IS NULL OR d.hold_until <= $1) \
+             AND (j.id IS NULL OR j.state NOT IN ('waiting', 'active')) \
+           LIMIT $2 FOR UPDATE OF d SKIP LOCKED)",
+        &[&now.0, &limit],
+    )
+    .await?;
+    Ok(Swept {
+        jobs: ids.len() as u64,
+        fences: fences_removed,
+        dedup_keys: dedup_removed,
+    })
+}
+
+// -- kv and index -----------------------------------------------------------
+
+/// A document (or tombstone) and its version; with `lock`, the row is locked.
+async fn index_read<C: GenericClient>(
+    c: &C,
+    collection: &str,
+    id: &str,
+    lock: bool,
+) -> Result<Option<(Option<String>, u64)>, Fail> {
+    let sql = if lock {
+        "SELECT document, version FROM index_docs WHERE collection = $1 AND id = $2 FOR UPDATE"
+    } else {
+        "SELECT document, version FROM index_docs WHERE collection = $1 AND id = $2"
+    };
+    match row_opt(c, sql, &[&collection, &id]).await? {
+        Some(r) => Ok(Some((r.try_get(0)?, u64_of(r.try_get(1)?)))),
+        None => Ok(None),
+    }
+}
+
+async fn index_upsert_step<C: GenericClient>(
+    c: &C,
+    collection: &str,
+    id: &str,
+    document: &str,
+    version: u64,
+    now: Millis,
+) -> Result<UpsertOutcome, Fail> {
+    let v = i64_of(version);
+    for _ in 0..MAX_RERUNS {
+        let outcome = match index_read(c, collection, id, true).await? {
+            Some((_, stored)) if stored > version => return Ok(UpsertOutcome::Stale),
+            Some((Some(_), stored)) if stored == version => return Ok(UpsertOutcome::Unchanged),
+            Some((None, stored)) if stored == version => return Ok(UpsertOutcome::Stale),
+            Some((Some(_), _)) => UpsertOutcome::Updated,
+            Some((None, _)) => UpsertOutcome::Inserted,
+            None => {
+                let inserted = exec(
+                    c,
+                    "INSERT INTO index_docs (collection, id, version, document, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT (collection, id) DO NOTHING",
+                    &[&collection, &id, &v, &document, &now.0],
+                )
+                .await?;
+                if inserted == 1 {
+                    return Ok(UpsertOutcome::Inserted);
+                }
+                // A concurrent upsert created it: compare with that one.
+                continue;
+            }
+        };
+        exec(
+            c,
+            "UPDATE index_docs SET version = $3, document = $4, updated_at = $5 \
+             WHERE collection = $1 AND id = $2",
+            &[&collection, &id, &v, &document, &now.0],
+        )
+        .await?;
+        return Ok(outcome);
+    }
+    Err(Fail::Rerun(format!(
+        "index document {collection}/{id} kept changing"
+    )))
+}
+
+async fn index_remove_step<C: GenericClient>(
+    c: &C,
+    collection: &str,
+    id: &str,
+    version: u64,
+    now: Millis,
+) -> Result<bool, Fail> {
+    let v = i64_of(version);
+    for _ in 0..MAX_RERUNS {
+        let removed = match index_read(c, collection, id, true).await? {
+            Some((_, stored)) if stored > version => return Ok(false),
+            Some((doc, _)) => doc.is_some(),
+            None => {
+                let inserted = exec(
+                    c,
+                    "INSERT INTO index_docs (collection, id, version, document, updated_at) \
+                     VALUES ($1, $2, $3, NULL, $4) ON CONFLICT (collection, id) DO NOTHING",
+                    &[&collection, &id, &v, &now.0],
+                )
+                .await?;
+                if inserted == 1 {
+                    return Ok(false);
+                }
+                continue;
+            }
+        };
+        exec(
+            c,
+            "UPDATE index_docs SET version = $3, document = NULL, updated_at = $4 \
+             WHERE collection = $1 AND id = $2",
+            &[&collection, &id, &v, &now.0],
+        )
+        .await?;
+        return Ok(removed);
+    }
+    Err(Fail::Rerun(format!(
+        "index document {collection}/{id} kept changing"
+    )))
+}
+
+// -- fences -----------------------------------------------------------------
+
+fn fence_from_row(r: &Row) -> Result<Fence, Fail> {
+    let state: String = r.try_get(3)?;
+    Ok(Fence {
+        id: FenceId {
+            namespace: r.try_get(0)?,
+            kind: r.try_get(1)?,
+            key: r.try_get(2)?,
+        },
+        state: FenceState::parse(&state).unwrap_or(FenceState::Uncertain),
+        fingerprint: r.try_get(4)?,
+        job_id: r.try_get(5)?,
+        attempt: u32_of(r.try_get(6)?),
+        token: u64_of(r.try_get(7)?),
+        result: r.try_get(8)?,
+        created_at: Millis(r.try_get(9)?),
+        updated_at: Millis(r.try_get(10)?),
+    })
+}
+
+/// The fence, its row locked for update.
+async fn lock_fence<C: GenericClient>(c: &C, id: &FenceId) -> Result<Option<Fence>, Fail> {
+    const SQL: &str = "SELECT namespace, kind, key, state, fingerprint, job_id, attempt, token, result, \
+         created_at, updated_at FROM fences WHERE namespace = $1 AND kind = $2 AND key = $3 FOR UPDATE";
+    match row_opt(c, SQL, &[&id.namespace, &id.kind, &id.key]).await? {
+        Some(r) => Ok(Some(fence_from_row(&r)?)),
+        None => Ok(None),
+    }
+}
+
+/// Whether the attempt that wrote `f` still holds its job.
+async fn holder_alive<C: GenericClient>(c: &C, f: &Fence) -> Result<bool, Fail> {
+    let holder = LeaseRef {
+        job_id: f.job_id.clone(),
+        token: f.token,
+    };
+    match check_lease(c, &holder, false).await {
+        Ok(()) => Ok(true),
+        Err(Fail::Store(StoreError::Fenced { .. })) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> Fail {
+    Fail::Store(StoreError::InvalidFence {
+        namespace: id.namespace.clone(),
+        kind: id.kind.clone(),
+        key: id.key.clone(),
+        reason: reason.into(),
+    })
+}
+
+async fn fence_begin_step<C: GenericClient>(
+    c: &C,
+    lease: &LeaseRef,
+    attempt: u32,
+    id: &FenceId,
+    fingerprint: &[u8],
+    now: Millis,
+) -> Result<FenceBegin, Fail> {
+    check_lease(c, lease, true).await?;
+    let inserted = exec(
+        c,
+        "INSERT INTO fences (namespace, kind, key, state, fingerprint, job_id, attempt, token, created_at, updated_at) \
+         VALUES ($1, $2, $3, 'started', $4, $5, $6, $7, $8, $8) \
+         ON CONFLICT (namespace, kind, key) DO NOTHING",
+        &[
+            &id.namespace,
+            &id.kind,
+            &id.key,
+            &fingerprint,
+            &lease.job_id,
+            &i32_of(attempt),
+            &i64_of(lease.token),
+            &now.0,
+        ],
+    )
+    .await?;
+    if inserted == 1 {
+        return Ok(FenceBegin::Started);
+    }
+    let Some(f) = lock_fence(c, id).await? else {
+        // Released between the insert and the read: start over.
+        return Err(Fail::Rerun(format!(
+            "fence {}/{}/{} was released meanwhile",
+            id.namespace, id.kind, id.key
+        )));
+    };
+    if f.fingerprint != fingerprint {
+        return Ok(FenceBegin::KeyReused);
+    }
+    Ok(match f.state {
+        FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
+        FenceState::Uncertain => FenceBegin::Uncertain(f),
+        // A guest's host calls are sequential: a fence this very attempt
+        // started belongs to a call that is over, whose outcome is unknown.
+        FenceState::Started if f.job_id == lease.job_id && f.token == lease.token => {
+            FenceBegin::Abandoned(f)
+        }
+        FenceState::Started if holder_alive(c, &f).await? => {
+            FenceBegin::InProgress { job_id: f.job_id }
+        }
+        FenceState::Started => FenceBegin::Abandoned(f),
+    })
+}
+
+/// Locks a fence that `lease` may move on: started by that lease, or by an
+/// attempt that died.
+async fn owned_or_abandoned<C: GenericClient>(
+    c: &C,
+    lease: &LeaseRef,
+    id: &FenceId,
+) -> Result<Fence, Fail> {
+    let f = lock_fence(c, id)
+        .await?
+        .ok_or_else(|| invalid_fence(id, "no such fence"))?;
+    if f.state != FenceState::Started {
+        return Err(invalid_fence(
+            id,
+            format!("it is {}, not started", f.state.as_str()),
+        ));
+    }
+    let mine = f.job_id == lease.job_id && f.token == lease.token;
+    if !mine && holder_alive(c, &f).await? {
+        return Err(invalid_fence(
+            id,
+            format!("a live attempt of job {:?} holds it", f.job_id),
+        ));
+    }
+    Ok(f)
+}
+
+/// Locks a `started` fence that `lease` itself holds (nobody took it over).
+async fn held_by<C: GenericClient>(c: &C, lease: &LeaseRef, id: &FenceId) -> Result<Fence, Fail> {
+    let f = owned_or_abandoned(c, lease, id).await?;
+    if f.token != lease.token {
+        return Err(invalid_fence(id, "another attempt took it over"));
+    }
+    Ok(f)
+}
+
+async fn set_fence<C: GenericClient>(
+    c: &C,
+    id: &FenceId,
+    state: FenceState,
+    lease: &LeaseRef,
+    attempt: u32,
+    result: Option<&[u8]>,
+    now: Millis,
+) -> Result<(), Fail> {
+    exec(
+        c,
+        "UPDATE fences SET state = $4, job_id = $5, attempt = $6, token = $7, \
+         result = COALESCE($8, result), updated_at = $9 \
+         WHERE namespace = $1 AND kind = $2 AND key = $3",
+        &[
+            &id.namespace,
+            &id.kind,
+            &id.key,
+            &state.as_str(),
+            &lease.job_id,
+            &i32_of(attempt),
+            &i64_of(lease.token),
+            &result,
+            &now.0,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn delete_fence<C: GenericClient>(c: &C, id: &FenceId) -> Result<(), Fail> {
+    exec(
+        c,
+        "DELETE FROM fences WHERE namespace = $1 AND kind = $2 AND key = $3",
+        &[&id.namespace, &id.kind, &id.key],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn fence_resolve_step<C: GenericClient>(
+    c: &C,
+    id: &FenceId,
+    resolution: Resolution,
+    now: Millis,
+) -> Result<(), Fail> {
+    let f = lock_fence(c, id).await?.ok_or_else(|| {
+        StoreError::NotFound(format!("fence {}/{}/{}", id.namespace, id.kind, id.key))
+    })?;
+    match f.state {
+        FenceState::Done => {
+            return Err(invalid_fence(id, "it is done; there is nothing to resolve"));
+        }
+        FenceState::Started if holder_alive(c, &f).await? => {
+            return Err(invalid_fence(
+                id,
+                format!("a live attempt of job {:?} holds it", f.job_id),
+            ));
+        }
+        FenceState::Started | FenceState::Uncertain => {}
+    }
+    match resolution {
+        Resolution::Done => {
+            exec(
+                c,
+                "UPDATE fences SET state = 'done', result = $4, updated_at = $5 \
+                 WHERE namespace = $1 AND kind = $2 AND key = $3",
+                &[
+                    &id.namespace,
+                    &id.kind,
+                    &id.key,
+                    &RESOLVED_BY_OPERATOR,
+                    &now.0,
+                ],
+            )
+            .await?;
+        }
+        Resolution::NotDone => delete_fence(c, id).await?,
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The trait
+// ---------------------------------------------------------------------------
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
+        step!(self, Mode::Write, |tx| {
+            let mut out = Vec::with_capacity(jobs.len());
+            for (i, j) in jobs.iter().enumerate() {
+                out.push(enqueue_one(&tx, j, i, now).await?);
+            }
+            Ok(out)
+        })
+    }
+
+    async fn lease(&self, queue: &str, max: u32, now: Millis) -> Result<Vec<Lease>, StoreError> {
+        step!(self, Mode::Write, |tx| lease_batch(&tx, queue, max, now)
+            .await)
+    }
+
+    async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
+        let client = self.client().await?;
+        let r = row_opt(
+            &client,
+            "SELECT MIN(run_at) FROM jobs WHERE queue = $1 AND state = 'waiting'",
+            &[&queue],
+        )
+        .await
+        .map_err(store_err)?;
+        Ok(match r {
+            Some(r) => r.try_get::<_, Option<i64>>(0)?.map(Millis),
+            None => None,
+        })
+    }
+
+    async fn finish(
+        &self,
+        lease: &LeaseRef,
+        finish: Finish,
+        now: Millis,
+    ) -> Result<JobState, StoreError> {
+        // A fenced finish still records how its attempt ended: commit that
+        // part, then report the fence.
+        let r: Result<Result<JobState, StoreError>, StoreError> =
+            step!(self, Mode::Write, |tx| finish_step(
+                &tx, lease, &finish, now
+            )
+            .await);
+        r?
+    }
+
+    async fn recover(&self, now: Millis) -> Result<u64, StoreError> {
+        step!(self, Mode::Write, |tx| recover_step(&tx, now).await)
+    }
+
+    async fn cancel(&self, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
+        step!(self, Mode::Write, |tx| cancel_step(&tx, id, now).await)
+    }
+
+    async fn retry(&self, id: &str, now: Millis) -> Result<Job, StoreError> {
+        step!(self, Mode::Write, |tx| retry_step(&tx, id, now).await)
+    }
+
+    async fn job(&self, id: &str, now: Millis) -> Result<Option<Job>, StoreError> {
+        step!(self, Mode::Read, |tx| {
+            let Some(mut job) = load_job(&tx, id, now).await? else {
+                return Ok(None);
+            };
+            job.attempts = load_attempts(&tx, id).await?;
+            Ok(Some(job))
+        })
+    }
+
+    async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
+        let limit = filter.limit.clamp(1, 1000);
+        let cursor: i64 = match &filter.cursor {
+            Some(s) => s
+                .parse()
+                .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
+            None => i64::MAX,
+        };
+        let mut sql = format!("SELECT {JOB_COLUMNS}, seq FROM jobs WHERE seq < $1");
+        let mut args: Vec<Box<dyn ToSql + Sync + Send>> = vec![Box::new(cursor)];
+        if let Some(q) = &filter.queue {
+            args.push(Box::new(q.clone()));
+            sql.push_str(&format!(" AND queue = ${}", args.len()));
+        }
+        match filter.state {
+            Some(JobState::Delayed) => {
+                args.push(Box::new(now.0));
+                sql.push_str(&format!(
+                    " AND state = 'waiting' AND run_at > ${}",
+                    args.len()
+                ));
+            }
+            Some(JobState::Waiting) => {
+                args.push(Box::new(now.0));
+                sql.push_str(&format!(
+                    " AND state = 'waiting' AND run_at <= ${}",
+                    args.len()
+                ));
+            }
+            Some(s) => {
+                args.push(Box::new(s.as_str().to_owned()));
+                sql.push_str(&format!(" AND state = ${}", args.len()));
+            }
+            None => {}
+        }
+        args.push(Box::new(i64::from(limit)));
+        sql.push_str(&format!(" ORDER BY seq DESC LIMIT ${}", args.len()));
+        let params: Vec<&(dyn ToSql + Sync)> =
+            args.iter().map(|a| &**a as &(dyn ToSql + Sync)).collect();
+        let client = self.client().await?;
+        let found = rows(&client, &sql, &params).await.map_err(store_err)?;
+        let mut jobs = Vec::with_capacity(found.len());
+        let mut last_seq = None;
+        for r in &found {
+            jobs.push(job_from_row(r, now).map_err(store_err)?);
+            last_seq = Some(r.try_get::<_, i64>(14)?);
+        }
+        let next_cursor = if jobs.len() == limit as usize {
+            last_seq.map(|s| s.to_string())
+        } else {
+            None
+        };
+        Ok(JobPage { jobs, next_cursor })
+    }
+
+    async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError> {
+        step!(self, Mode::Read, |tx| {
+            // The stored states come from the counters; `delayed` (waiting
+            // with run_at in the future) is counted on the jobs_due index,
+            // which costs what is delayed, not what is stored.
+            let stored = rows(
+                &tx,
+                "SELECT queue, state, SUM(n)::bigint FROM job_counts GROUP BY queue, state \
+                 HAVING SUM(n) > 0 ORDER BY queue, state",
+                &[],
+            )
+            .await?;
+            let mut out: Vec<(String, StateCounts)> = Vec::new();
+            for r in &stored {
+                let queue: String = r.try_get(0)?;
+                let state: String = r.try_get(1)?;
+                let n: i64 = r.try_get(2)?;
+                if out.last().is_none_or(|(q, _)| *q != queue) {
+                    out.push((queue, StateCounts::default()));
+                }
+                if let Some((_, counts)) = out.last_mut() {
+                    counts.add(stored_state(&state), u64_of(n));
+                }
+            }
+            for (queue, counts) in &mut out {
+                if counts.waiting == 0 {
+                    continue;
+                }
+                let n: i64 = rows(
+                    &tx,
+                    "SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'waiting' AND run_at > $2",
+                    &[&queue.as_str(), &now.0],
+                )
+                .await?
+                .first()
+                .map(|r| r.try_get(0))
+                .transpose()?
+                .unwrap_or(0);
+                let n = u64_of(n).min(counts.waiting);
+                counts.waiting -= n;
+                counts.delayed += n;
+            }
+            Ok(out)
+        })
+    }
+
+    async fn sweep(
+        &self,
+        now: Millis,
+        jobs: Duration,
+        fences: Duration,
+        limit: u32,
+    ) -> Result<Swept, StoreError> {
+        step!(self, Mode::Write, |tx| sweep_step(
+            &tx, now, jobs, fences, limit
+        )
+        .await)
+    }
+
+    async fn kv_get(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        // One statement: the lease check and the read see one snapshot.
+        let client = self.client().await?;
+        let r = rows(
+            &client,
+            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active'), \
+                    (SELECT value FROM kv WHERE namespace = $2 AND key = $3)",
+            &[&lease.job_id, &ns, &key],
+        )
+        .await
+        .map_err(store_err)?;
+        let r = r.first().ok_or_else(|| unavailable("no row"))?;
+        holds(lease, r.try_get(0)?)?;
+        Ok(r.try_get(1)?)
+    }
+
+    async fn kv_put(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| {
+            check_lease(&tx, lease, true).await?;
+            exec(
+                &tx,
+                "INSERT INTO kv (namespace, key, value) VALUES ($1, $2, $3) \
+                 ON CONFLICT (namespace, key) DO UPDATE SET value = EXCLUDED.value",
+                &[&ns, &key, &value],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    async fn kv_insert_if_absent(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<bool, StoreError> {
+        step!(self, Mode::Write, |tx| {
+            check_lease(&tx, lease, true).await?;
+            let n = exec(
+                &tx,
+                "INSERT INTO kv (namespace, key, value) VALUES ($1, $2, $3) \
+                 ON CONFLICT (namespace, key) DO NOTHING",
+                &[&ns, &key, &value],
+            )
+            .await?;
+            Ok(n == 1)
+        })
+    }
+
+    async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError> {
+        step!(self, Mode::Write, |tx| {
+            check_lease(&tx, lease, true).await?;
+            let n = exec(
+                &tx,
+                "DELETE FROM kv WHERE namespace = $1 AND key = $2",
+                &[&ns, &key],
+            )
+            .await?;
+            Ok(n == 1)
+        })
+    }
+
+    async fn index_upsert(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        document: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<UpsertOutcome, StoreError> {
+        step!(self, Mode::Write, |tx| {
+            check_lease(&tx, lease, true).await?;
+            index_upsert_step(&tx, collection, id, document, version, now).await
+        })
+    }
+
+    async fn index_remove(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        step!(self, Mode::Write, |tx| {
+            check_lease(&tx, lease, true).await?;
+            index_remove_step(&tx, collection, id, version, now).await
+        })
+    }
+
+    async fn index_get_leased(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        // One statement: the lease check and the read see one snapshot. A
+        // tombstone's document is NULL, as is a missing one's.
+        let client = self.client().await?;
+        let r = rows(
+            &client,
+            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active'), \
+                    (SELECT document FROM index_docs WHERE collection = $2 AND id = $3)",
+            &[&lease.job_id, &collection, &id],
+        )
+        .await
+        .map_err(store_err)?;
+        let r = r.first().ok_or_else(|| unavailable("no row"))?;
+        holds(lease, r.try_get(0)?)?;
+        Ok(r.try_get(1)?)
+    }
+
+    async fn index_get(
+        &self,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<(String, u64)>, StoreError> {
+        let client = self.client().await?;
+        let found = index_read(&client, collection, id, false)
+            .await
+            .map_err(store_err)?;
+        Ok(found.and_then(|(d, v)| d.map(|d| (d, v))))
+    }
+
+    async fn fence_begin(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        fingerprint: &[u8],
+        now: Millis,
+    ) -> Result<FenceBegin, StoreError> {
+        step!(self, Mode::Write, |tx| fence_begin_step(
+            &tx,
+            lease,
+            attempt,
+            id,
+            fingerprint,
+            now
+        )
+        .await)
+    }
+
+    async fn fence_take_over(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| {
+            check_lease(&tx, lease, true).await?;
+            owned_or_abandoned(&tx, lease, id).await?;
+            set_fence(&tx, id, FenceState::Started, lease, attempt, None, now).await
+        })
+    }
+
+    async fn fence_done(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        result: Vec<u8>,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| {
+            held_by(&tx, lease, id).await?;
+            set_fence(
+                &tx,
+                id,
+                FenceState::Done,
+                lease,
+                attempt,
+                Some(&result),
+                now,
+            )
+            .await
+        })
+    }
+
+    async fn fence_release(&self, lease: &LeaseRef, id: &FenceId) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| {
+            held_by(&tx, lease, id).await?;
+            delete_fence(&tx, id).await
+        })
+    }
+
+    async fn fence_uncertain(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| {
+            owned_or_abandoned(&tx, lease, id).await?;
+            set_fence(&tx, id, FenceState::Uncertain, lease, attempt, None, now).await
+        })
+    }
+
+    async fn fence_resolve(
+        &self,
+        id: &FenceId,
+        resolution: Resolution,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| fence_resolve_step(
+            &tx, id, resolution, now
+        )
+        .await)
+    }
+
+    async fn fences(
+        &self,
+        namespace: Option<&str>,
+        state: Option<FenceState>,
+        limit: u32,
+    ) -> Result<Vec<Fence>, StoreError> {
+        let sql = format!(
+            "SELECT {FENCE_COLUMNS} FROM fences WHERE ($1::text IS NULL OR namespace = $1) \
+             AND ($2::text IS NULL OR state = $2) ORDER BY updated_at DESC LIMIT $3"
+        );
+        let client = self.client().await?;
+        let found = rows(
+            &client,
+            &sql,
+            &[
+                &namespace,
+                &state.map(FenceState::as_str),
+                &i64::from(limit.clamp(1, 1000)),
+            ],
+        )
+        .await
+        .map_err(store_err)?;
+        found
+            .iter()
+            .map(fence_from_row)
+            .collect::<Result<_, _>>()
+            .map_err(store_err)
+    }
+
+    async fn record_effect(&self, job_id: &str, record: EffectRecord) -> Result<(), StoreError> {
+        step!(self, Mode::Write, |tx| {
+            exec(
+                &tx,
+                "INSERT INTO effects (job_id, attempt, kind, key, outcome, at) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+                &[
+                    &job_id,
+                    &i32_of(record.attempt),
+                    &record.kind,
+                    &record.key,
+                    &record.outcome,
+                    &record.at.0,
+                ],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    async fn effects(&self, job_id: &str) -> Result<Vec<EffectRecord>, StoreError> {
+        let client = self.client().await?;
+        let found = rows(
+            &client,
+            "SELECT attempt, kind, key, outcome, at FROM effects WHERE job_id = $1 \
+             ORDER BY attempt, n",
+            &[&job_id],
+        )
+        .await
+        .map_err(store_err)?;
+        found
+            .iter()
+            .map(|r| {
+                Ok(EffectRecord {
+                    attempt: u32_of(r.try_get(0)?),
+                    kind: r.try_get(1)?,
+                    key: r.try_get(2)?,
+                    outcome: r.try_get(3)?,
+                    at: Millis(r.try_get(4)?),
+                })
+            })
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(StoreError::from)
+    }
+}
+
+/// Fresh databases for tests, on the server named by `KHATA_TEST_PG_URL`.
+/// Not part of the daemon; public so that the integration tests use it too.
+#[doc(hidden)]
+pub mod testing {
+    use std::time::Duration;
+
+    use super::{describe, parse_url, with_defaults};
+
+    /// The variable that names the test server: a URL of a database on it
+    /// where the user may `CREATE DATABASE`.
+    pub const ENV: &str = "KHATA_TEST_PG_URL";
+
+    /// The admin URL, or a panic that says how to start a server: the
+    /// PostgreSQL tests fail, never skip, when there is none.
+    pub fn admin_url() -> String {
+        match std::env::var(ENV) {
+            Ok(url) if !url.trim().is_empty() => url,
+            _ => panic!(
+                "{ENV} is not set, and the PostgreSQL tests need a server. Start a throwaway one \
+                 (initdb in a temporary directory, a free port of 127.0.0.1) with\n\n    \
+                 eval \"$(scripts/pg-test-server start)\"\n\nand stop it afterwards with \
+                 `scripts/pg-test-server stop \"$KHATA_TEST_PG_DIR\"` (scripts/test does both), \
+                 or set {ENV} to a server where this user may CREATE DATABASE, e.g. \
+                 postgres://postgres@127.0.0.1:5432/postgres"
+            ),
+        }
+    }
+
+    /// A database made for one test, dropped (with its connections) when
+    /// this is dropped.
+    #[derive(Debug)]
+    pub struct TestDatabase {
+        admin: String,
+        /// The database's name.
+        pub name: String,
+        /// A URL of this database (from the admin URL, another database name).
+        pub url: String,
+    }
+
+    impl TestDatabase {
+        /// Creates an empty database with a unique name.
+        pub async fn create() -> TestDatabase {
+            let admin = admin_url();
+            let name = format!("khata_test_{}", uuid::Uuid::now_v7().simple());
+            let cfg = with_defaults(parse_url(&admin).expect("KHATA_TEST_PG_URL"));
+            let (client, connection) = cfg.connect(tokio_postgres::NoTls).await.unwrap_or_else(|e| {
+                panic!(
+                    "cannot connect to the test server {ENV}={admin}: {}\nIs it running? Start one with: eval \"$(scripts/pg-test-server start)\"",
+                    describe(&e)
+                )
+            });
+            let task = tokio::spawn(connection);
+            client
+                .batch_execute(&format!(
+                    "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'UTF8'"
+                ))
+                .await
+                .unwrap_or_else(|e| panic!("CREATE DATABASE {name}: {}", describe(&e)));
+            drop(client);
+            let _ = task.await;
+            let url = url_with_dbname(&admin, &name);
+            TestDatabase { admin, name, url }
+        }
+    }
+
+    impl Drop for TestDatabase {
+        fn drop(&mut self) {
+            let (admin, name) = (self.admin.clone(), self.name.clone());
+            // Drop runs inside the test's runtime: use a thread of its own.
+            let dropped = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .ok()?;
+                rt.block_on(async move {
+                    let cfg = with_defaults(parse_url(&admin).ok()?);
+                    let (client, connection) = cfg.connect(tokio_postgres::NoTls).await.ok()?;
+                    let task = tokio::spawn(connection);
+                    let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                    let r =
+                        tokio::time::timeout(Duration::from_secs(30), client.batch_execute(&sql))
+                            .await;
+                    drop(client);
+                    let _ = task.await;
+                    r.ok()?.ok()
+                })
+            });
+            let _ = dropped.join();
+        }
+    }
+
+    /// `url` with its database replaced by `dbname`: the path of a
+    /// `postgres://` URL, or a `dbname=` pair appended to a key-value string.
+    pub fn url_with_dbname(url: &str, dbname: &str) -> String {
+        let Some(scheme_end) = url.find("://") else {
+            return format!("{url} dbname={dbname}");
+        };
+        let rest_start = scheme_end + 3;
+        let (base, query) = match url.find('?') {
+            Some(q) => (&url[..q], &url[q..]),
+            None => (url, ""),
+        };
+        let base = match base[rest_start..].find('/') {
+            Some(slash) => &base[..rest_start + slash],
+            None => base,
+        };
+        format!("{base}/{dbname}{query}")
+    }
+
+    #[test]
+    fn dbname_is_replaced() {
+        assert_eq!(
+            url_with_dbname("postgres://u:p@127.0.0.1:5/postgres", "t"),
+            "postgres://u:p@127.0.0.1:5/t"
+        );
+        assert_eq!(
+            url_with_dbname("postgresql://h:5?sslmode=disable", "t"),
+            "postgresql://h:5/t?sslmode=disable"
+        );
+        assert_eq!(
+            url_with_dbname("host=h port=5", "t"),
+            "host=h port=5 dbname=t"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::testing::TestDatabase;
+    use super::{PostgresStore, SCHEMA_VERSION, migrate};
+    use crate::job::{Finish, Millis, NewJob};
+    use crate::store::{Store, StoreError};
+
+    async fn open_fresh() -> (TestDatabase, Arc<dyn Store>) {
+        let db = TestDatabase::create().await;
+        let store = PostgresStore::open(&db.url, 8).await.expect("open");
+        (db, Arc::new(store))
+    }
+
+    crate::conformance_tests!(open_fresh);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn migrations_run_once_when_daemons_start_together() {
+        let db = TestDatabase::create().await;
+        let runs: Vec<_> = (0..4)
+            .map(|_| {
+                let url = db.url.clone();
+                tokio::spawn(async move { migrate(&url).await })
+            })
+            .collect();
+        let mut from_zero = 0;
+        for r in runs {
+            let m = r.await.unwrap().expect("migrate");
+            assert_eq!(m.to, SCHEMA_VERSION);
+            from_zero += usize::from(m.from == 0);
+        }
+        assert_eq!(
+            from_zero, 1,
+            "one of them migrated, the others found it done"
+        );
+        let again = migrate(&db.url).await.unwrap();
+        assert_eq!((again.from, again.to), (SCHEMA_VERSION, SCHEMA_VERSION));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_newer_schema_is_refused() {
+        let db = TestDatabase::create().await;
+        migrate(&db.url).await.unwrap();
+        let cfg = super::parse_url(&db.url).unwrap();
+        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        let task = tokio::spawn(conn);
+        client
+            .batch_execute("INSERT INTO khata_schema_migrations (version) VALUES (999)")
+            .await
+            .unwrap();
+        drop(client);
+        let _ = task.await;
+        let err = PostgresStore::open(&db.url, 2).await.unwrap_err();
+        assert!(err.to_string().contains("newer than this khata"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_daemon_is_kept_off_the_database() {
+        let db = TestDatabase::create().await;
+        let _first = PostgresStore::open(&db.url, 2).await.expect("open");
+        let cfg = super::parse_url(&db.url).unwrap();
+        let second = PostgresStore::open_inner(cfg, 2, Duration::from_millis(600)).await;
+        let err = second.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Unavailable(m) if m.contains("another khata daemon")),
+            "{err}"
+        );
+    }
+
+    /// Leases from many connections at once: `SKIP LOCKED` gives each job
+    /// to one attempt, tokens are unique, and the sharded counters add up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_leases_take_each_job_once() {
+        let (_db, s) = open_fresh().await;
+        let t0 = Millis(1_700_000_000_000);
+        let jobs: Vec<NewJob> = (0..200)
+            .map(|i| NewJob {
+                queue: "q".into(),
+                id: Some(format!("j{i}")),
+                payload: "{}".into(),
+                priority: 0,
+                run_at: t0,
+                max_attempts: 3,
+                dedup_key: None,
+                dedup_for: None,
+            })
+            .collect();
+        s.enqueue(jobs, t0).await.unwrap();
+        let workers: Vec<_> = (0..8)
+            .map(|_| {
+                let s = Arc::clone(&s);
+                tokio::spawn(async move {
+                    let mut mine = Vec::new();
+                    loop {
+                        let leases = s.lease("q", 5, t0).await.unwrap();
+                        if leases.is_empty() {
+                            return mine;
+                        }
+                        for l in leases {
+                            s.finish(&l.fence(), Finish::Completed { result: "1".into() }, t0)
+                                .await
+                                .unwrap();
+                            mine.push((l.job_id, l.token));
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for w in workers {
+            all.extend(w.await.unwrap());
+        }
+        assert_eq!(all.len(), 200, "every job leased once");
+        let mut ids: Vec<_> = all.iter().map(|(id, _)| id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), 200, "no job leased twice");
+        let mut tokens: Vec<_> = all.iter().map(|(_, t)| *t).collect();
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len(), 200, "tokens are unique");
+        let counts = s.counts(t0).await.unwrap();
+        let q = &counts.iter().find(|(q, _)| q == "q").unwrap().1;
+        assert_eq!((q.completed, q.waiting, q.active), (200, 0, 0), "{q:?}");
+    }
+
+    /// Two batches naming the same ids in opposite orders deadlock in the
+    /// server; the loser reruns and finds the winner's jobs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn crossing_batches_create_each_job_once() {
+        let (_db, s) = open_fresh().await;
+        let t0 = Millis(1_700_000_000_000);
+        let job = |id: &str| NewJob {
+            queue: "q".into(),
+            id: Some(id.into()),
+            payload: "{}".into(),
+            priority: 0,
+            run_at: t0,
+            max_attempts: 3,
+            dedup_key: Some(format!("key-{id}")),
+            dedup_for: None,
+        };
+        for round in 0..5 {
+            let (x, y) = (format!("x{round}"), format!("y{round}"));
+            let forward = vec![job(&x), job(&y)];
+            let backward = vec![job(&y), job(&x)];
+            let (a, b) = tokio::join!(
+                {
+                    let s = Arc::clone(&s);
+                    async move { s.enqueue(forward, t0).await }
+                },
+                {
+                    let s = Arc::clone(&s);
+                    async move { s.enqueue(backward, t0).await }
+                }
+            );
+            let (a, b) = (a.unwrap(), b.unwrap());
+            let created = a.iter().chain(&b).filter(|e| !e.deduplicated).count();
+            assert_eq!(created, 2, "round {round}: {a:?} {b:?}");
+        }
+        let counts = s.counts(t0).await.unwrap();
+        assert_eq!(counts[0].1.waiting, 10);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_url_does_not_echo_the_password() {
+        let err = PostgresStore::open("postgres://u:s3cret@127.0.0.1:notaport/db", 1)
+            .await
+            .unwrap_err();
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+}
