@@ -160,3 +160,47 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
     assert!(watchdogs >= 3, "watchdog pings while running: {lines:?}");
     assert_eq!(lines.last(), Some(&"STOPPING=1"), "{lines:?}");
 }
+
+/// JSON logs (`KHATA_LOG_FORMAT=json`): every line of an attempt names its
+/// job, queue, attempt and plugin version.
+#[tokio::test]
+async fn json_log_lines_of_an_attempt_name_job_queue_attempt_and_version() {
+    let mut d = Daemon::prepare("[queues.e]\nplugin = \"echo\"\n", &[("echo", "echo")]);
+    d.env("KHATA_LOG_FORMAT", "json");
+    d.env("KHATA_LOG", "khata=debug");
+    d.start().await;
+    d.wait_plugin("e").await;
+    let id = d.enqueue("e", payload(json!({"hello": 1}))).await;
+    d.wait_state(&id, "completed", 30).await;
+    let version = d.queue("e").await["version"].as_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines: Vec<serde_json::Value> = d
+            .log()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+            .collect();
+        let ours: Vec<&serde_json::Value> = lines
+            .iter()
+            .filter(|v| v["span"]["job"] == id.as_str())
+            .collect();
+        if let Some(line) = ours
+            .iter()
+            .find(|v| v["fields"]["message"] == "attempt ended")
+        {
+            let span = &line["span"];
+            assert_eq!(span["name"], "attempt", "{line}");
+            assert_eq!(span["queue"], "e", "{line}");
+            assert_eq!(span["attempt"], 1, "{line}");
+            assert_eq!(span["plugin"], "echo", "{line}");
+            assert_eq!(span["version"], version.as_str(), "{line}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no tagged line for {id}:\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -103,6 +103,7 @@ fn init_tracing() {
     let filter = EnvFilter::try_from_env("KHATA_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = if std::env::var("KHATA_LOG_FORMAT").as_deref() == Ok("json") {
         builder.json().try_init()

@@ -26,6 +26,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::config;
 use crate::effects::email::Mailer;
@@ -606,9 +607,22 @@ impl Queues {
                 let this = Arc::clone(&self);
                 let (q, plugin, interrupt) =
                     (Arc::clone(&q), Arc::clone(&plugin), stop.interrupt.clone());
-                attempts.spawn(async move {
-                    this.attempt(&q, &plugin, lease, permit, interrupt).await;
-                });
+                // Every log line of the attempt, the daemon's and the guest's,
+                // carries the job, queue, attempt and plugin version.
+                let span = tracing::info_span!(
+                    "attempt",
+                    job = %lease.job_id,
+                    queue = %lease.queue,
+                    attempt = lease.attempt,
+                    plugin = %plugin.name,
+                    version = %plugin.version.get(..12).unwrap_or(&plugin.version),
+                );
+                attempts.spawn(
+                    async move {
+                        this.attempt(&q, &plugin, lease, permit, interrupt).await;
+                    }
+                    .instrument(span),
+                );
             }
         }
         // Drain: no new leases; the attempts in flight finish or are interrupted.
