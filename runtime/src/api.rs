@@ -1,6 +1,7 @@
 //! The HTTP API (DESIGN 6.2): JSON routes over the store and the queues.
 //!
-//! Every route but `/healthz` needs the bearer token when one is configured.
+//! Every route but `/healthz` and the dashboard's static files (`dashboard`)
+//! needs the bearer token when one is configured.
 //! Errors are `{"error": {"code", "message"}}`; a refused request changes
 //! nothing. An enqueue is answered only once the job is durable.
 
@@ -24,6 +25,8 @@ use crate::job::{Attempt, Enqueued, Job, JobState, Millis, NewJob, canonical_jso
 use crate::queue::Queues;
 use crate::schedule::Schedules;
 use crate::store::{Fence, FenceId, FenceState, JobFilter, Resolution, Store, StoreError};
+
+pub mod dashboard;
 
 /// Most jobs in one batch enqueue.
 pub const MAX_BATCH: usize = 1000;
@@ -131,6 +134,7 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .merge(dashboard::routes())
         .merge(api)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(
