@@ -648,22 +648,49 @@ impl Smtp {
     /// authenticates, as configured.
     async fn connect(&self) -> Result<AsyncSmtpConnection, SendError> {
         let server = self.server();
-        let implicit_tls = match self.tls {
-            SmtpTls::Tls => self.tls_parameters.clone(),
-            SmtpTls::None | SmtpTls::Starttls => None,
+        let mut conn = match self.tls {
+            SmtpTls::Tls => {
+                self.step(
+                    &format!("connect to {server}"),
+                    AsyncSmtpConnection::connect_tokio1(
+                        (self.host.as_str(), self.port),
+                        Some(self.timeout),
+                        &self.hello,
+                        self.tls_parameters.clone(),
+                        None,
+                    ),
+                )
+                .await?
+            }
+            SmtpTls::None | SmtpTls::Starttls => {
+                let connect = format!("connect to {server}");
+                let tcp = match tokio::time::timeout(
+                    self.timeout,
+                    tokio::net::TcpStream::connect((self.host.as_str(), self.port)),
+                )
+                .await
+                {
+                    Ok(Ok(tcp)) => tcp,
+                    Ok(Err(e)) => return Err(SendError::NotSent(format!("{connect}: {e}"))),
+                    Err(_) => {
+                        return Err(SendError::NotSent(format!(
+                            "{connect}: no answer within {:?}",
+                            self.timeout
+                        )));
+                    }
+                };
+                // lettre writes the body and the final dot separately; with
+                // Nagle's algorithm the dot waits for the server's delayed
+                // ACK of the body (40 ms on Linux) on every message.
+                tcp.set_nodelay(true)
+                    .map_err(|e| SendError::NotSent(format!("{connect}: TCP_NODELAY: {e}")))?;
+                self.step(
+                    &format!("greeting and EHLO from {server}"),
+                    AsyncSmtpConnection::connect_with_transport(Box::new(tcp), &self.hello),
+                )
+                .await?
+            }
         };
-        let mut conn = self
-            .step(
-                &format!("connect to {server}"),
-                AsyncSmtpConnection::connect_tokio1(
-                    (self.host.as_str(), self.port),
-                    Some(self.timeout),
-                    &self.hello,
-                    implicit_tls,
-                    None,
-                ),
-            )
-            .await?;
         if self.tls == SmtpTls::Starttls {
             let Some(parameters) = self.tls_parameters.clone() else {
                 return Err(SendError::NotSent("STARTTLS: no TLS parameters".into()));
