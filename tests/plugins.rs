@@ -44,6 +44,13 @@ async fn a_plugin_swapped_under_load_loses_nothing_and_running_attempts_keep_the
     let chaos = guest_bytes("chaos");
     let echo = guest_bytes("echo");
     let (v_chaos, v_echo) = (short_hash(&chaos), short_hash(&echo));
+    // The version each attempt records: the plugin's full content hash.
+    let ran_on = |j: &Value| -> String {
+        let v = j["attempts"][0]["plugin_version"]
+            .as_str()
+            .unwrap_or("none");
+        v.get(..12).unwrap_or(v).to_owned()
+    };
     let d = Daemon::start_new(SWAP, &[("p", "chaos")]).await;
     let q = d.wait_version("swap", &v_chaos).await;
     assert_eq!(q["sha256"].as_str().unwrap()[..12], v_chaos, "{q}");
@@ -105,6 +112,7 @@ async fn a_plugin_swapped_under_load_loses_nothing_and_running_attempts_keep_the
         json!({"do": "sleep", "ms": 10, "tag": "after-1"}),
         "echo answered: {j}"
     );
+    assert_eq!(ran_on(&j), v_echo, "{j}");
     assert!(
         d.cli_queues().contains(&v_echo),
         "khata queues shows the new version"
@@ -114,6 +122,11 @@ async fn a_plugin_swapped_under_load_loses_nothing_and_running_attempts_keep_the
     let j = d.wait_state(&sleeper, "completed", 30).await;
     assert_eq!(j["result"], json!({"slept": 6000}), "{j}");
     assert_eq!(j["attempts"].as_array().unwrap().len(), 1, "{j}");
+    assert_eq!(
+        ran_on(&j),
+        v_chaos,
+        "its attempt records the old version: {j}"
+    );
 
     // Swap 2: written in place (truncate and write, as `cp` does).
     d.overwrite_plugin("p", &chaos);
@@ -136,9 +149,11 @@ async fn a_plugin_swapped_under_load_loses_nothing_and_running_attempts_keep_the
         assert_eq!(attempts.len(), 1, "{j}");
         assert_eq!(attempts[0]["outcome"], "completed", "{j}");
         if j["result"] == json!({"slept": 30}) {
+            assert_eq!(ran_on(&j), v_chaos, "{j}");
             on_chaos += 1;
         } else {
             assert_eq!(j["result"], json!({"do": "sleep", "ms": 30, "n": n}), "{j}");
+            assert_eq!(ran_on(&j), v_echo, "{j}");
             on_echo += 1;
         }
     }
@@ -405,6 +420,37 @@ async fn a_plugins_dir_created_after_the_start_is_found_and_then_watched() {
         "watched again after each appearance:\n{}",
         d.log()
     );
+}
+
+#[tokio::test]
+async fn a_symlinked_plugins_dir_switched_to_another_release_is_followed() {
+    let mut d = Daemon::prepare("[queues.q]\nplugin = \"p\"\ngrants = { kv = true }\n", &[]);
+    // plugins -> releases/1, as a deploy tool lays out releases.
+    let plugins = d.dir.path().join("plugins");
+    std::fs::remove_dir(&plugins).unwrap();
+    let releases = d.dir.path().join("releases");
+    for (n, guest) in [("1", "chaos"), ("2", "echo")] {
+        std::fs::create_dir_all(releases.join(n)).unwrap();
+        std::fs::write(releases.join(n).join("p.wasm"), guest_bytes(guest)).unwrap();
+    }
+    std::os::unix::fs::symlink("releases/1", &plugins).unwrap();
+    d.start().await;
+    d.wait_version("q", &short_hash(&guest_bytes("chaos")))
+        .await;
+
+    // Switch atomically: a new link renamed over the old one.
+    let next = d.dir.path().join("plugins.next");
+    std::os::unix::fs::symlink("releases/2", &next).unwrap();
+    std::fs::rename(&next, &plugins).unwrap();
+    d.wait_version("q", &short_hash(&guest_bytes("echo"))).await;
+    let id = d.enqueue("q", payload(json!({"release": 2}))).await;
+    let j = d.wait_state(&id, "completed", 30).await;
+    assert_eq!(j["result"], json!({"release": 2}), "{j}");
+
+    // Still watched after the switch: a change in the new target is seen.
+    d.replace_plugin("p", &guest_bytes("chaos"));
+    d.wait_version("q", &short_hash(&guest_bytes("chaos")))
+        .await;
 }
 
 #[tokio::test]

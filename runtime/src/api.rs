@@ -396,6 +396,7 @@ fn attempt_json(a: &Attempt) -> Value {
         "ended_at": a.ended_at.map(time),
         "outcome": a.outcome,
         "error": a.error,
+        "plugin_version": a.plugin_version,
     })
 }
 

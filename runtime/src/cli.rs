@@ -1230,13 +1230,16 @@ fn render_job(job: &Value) -> String {
                     cell(&a["ended_at"]),
                     cell(&a["outcome"]),
                     cell(&a["fencing_token"]),
+                    cell(&a["plugin_version"]).chars().take(12).collect(),
                     cell(&a["error"]),
                 ]
             })
             .collect();
         out.push_str(&table(
             "  ",
-            &["#", "STARTED", "ENDED", "OUTCOME", "TOKEN", "ERROR"],
+            &[
+                "#", "STARTED", "ENDED", "OUTCOME", "TOKEN", "VERSION", "ERROR",
+            ],
             &rows,
         ));
     }
@@ -1924,7 +1927,7 @@ plugin = "echo"
             "run_at": "2030-01-01T00:00:00Z", "enqueued_at": "2030-01-01T00:00:00Z",
             "finished_at": null, "result": null, "last_error": "boom\nat line 2",
             "attempts": [
-                {"number": 1, "started_at": "t1", "ended_at": "t2", "outcome": "retry", "error": "boom", "fencing_token": 7},
+                {"number": 1, "started_at": "t1", "ended_at": "t2", "outcome": "retry", "error": "boom", "fencing_token": 7, "plugin_version": "0123456789abcdef"},
             ],
             "effects": [],
         });
@@ -1936,11 +1939,11 @@ plugin = "echo"
             "{out}"
         );
         assert!(
-            out.contains("  #  STARTED  ENDED  OUTCOME  TOKEN  ERROR\n"),
+            out.contains("  #  STARTED  ENDED  OUTCOME  TOKEN  VERSION       ERROR\n"),
             "{out}"
         );
         assert!(
-            out.contains("  1  t1       t2     retry    7      boom\n"),
+            out.contains("  1  t1       t2     retry    7      0123456789ab  boom\n"),
             "{out}"
         );
         assert!(out.contains("effects: none\n"), "{out}");

@@ -254,6 +254,9 @@ pub struct Attempt {
     pub ended_at: Option<Millis>,
     pub outcome: AttemptOutcome,
     pub error: Option<String>,
+    /// The content hash of the plugin version the attempt ran on (`None`
+    /// for attempts recorded before versions were).
+    pub plugin_version: Option<String>,
 }
 
 /// The right of one attempt to run a job and perform its effects.

@@ -14,7 +14,9 @@
 //!   they have been quiet for [`DEBOUNCE`] (a file written in several steps
 //!   is read whole; an atomic rename is one event); or, only when the
 //!   watcher cannot start, every [`FALLBACK_POLL`], by modification time and
-//!   size.
+//!   size. A `plugins_dir` that is a symbolic link (`current -> releases/N`)
+//!   is watched through its target, and switching the link to another
+//!   target is noticed as well: the new target is watched and scanned.
 //!
 //! Versions are named by the SHA-256 of the file. Attempts hold the
 //! `Arc<Plugin>` they started with, so a swap never changes one in flight.
@@ -249,6 +251,9 @@ enum Signal {
     Changed,
     /// The directory itself went away: the watch is gone.
     Lost,
+    /// `plugins_dir` is a symbolic link and was pointed elsewhere (a release
+    /// switch): the watch still follows the old target.
+    Retargeted,
 }
 
 impl Watch {
@@ -301,6 +306,16 @@ impl Watch {
                 _ => return ScanKind::Full,
             }
         }
+        if signal == Some(Signal::Retargeted) {
+            // Let the switch settle (a non-atomic `ln -sfn` removes, then
+            // creates), then watch the new target.
+            tokio::time::sleep(DEBOUNCE).await;
+            if let Ok(w) = watch_dir(&self.dir) {
+                tracing::info!(dir = %self.dir.display(), "plugins_dir points elsewhere now; watching its new target");
+                self.events = Some(w);
+                return ScanKind::Full;
+            }
+        }
         tracing::warn!(
             dir = %self.dir.display(),
             "the plugins directory is no longer watched (removed or renamed?); looking at it every {}s until it can be watched again",
@@ -318,8 +333,11 @@ fn watch_dir(
     let (tx, rx) = mpsc::unbounded_channel();
     // notify reports paths made absolute, not canonical.
     let watched = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let link = std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink());
+    let parent = watched.parent().map(Path::to_path_buf);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let signal = match &event {
+            Ok(e) if link && is_retargeted(e, &watched) => Some(Signal::Retargeted),
             Ok(e) if is_gone(e, &watched) => Some(Signal::Lost),
             Ok(e) => is_relevant(e).then_some(Signal::Changed),
             // A lost event (queue overflow): scan everything.
@@ -330,7 +348,22 @@ fn watch_dir(
         }
     })?;
     watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    // inotify follows a symbolic link to its target; the link itself is an
+    // entry of its parent, so that is where a switch of it shows.
+    if let Some(parent) = parent.filter(|_| link) {
+        watcher.watch(&parent, RecursiveMode::NonRecursive)?;
+    }
     Ok((watcher, rx))
+}
+
+/// Whether the event, seen in the parent of a symbolic-link `plugins_dir`,
+/// says the link was replaced or created (pointed at another directory).
+fn is_retargeted(e: &notify::Event, link: &Path) -> bool {
+    use notify::event::ModifyKind;
+    matches!(
+        e.kind,
+        EventKind::Create(_) | EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_))
+    ) && e.paths.iter().any(|p| p == link)
 }
 
 /// Whether the event says that the watched directory itself was removed or

@@ -556,8 +556,12 @@ impl Queues {
                     }
                 }
             }
+            // The newest version: one swapped in while this loop waited for a
+            // slot runs these jobs (the attempts already running keep theirs),
+            // and each attempt records it.
+            let plugin = q.plugin().plugin.unwrap_or(plugin);
             let now = self.clock.now();
-            let leases = match self.store.lease(&name, want, now).await {
+            let leases = match self.store.lease(&name, want, &plugin.version, now).await {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::error!(queue = %name, error = %e, "lease failed; retrying");
@@ -586,10 +590,6 @@ impl Queues {
             if let Some(limiter) = &mut limiter {
                 limiter.started(leases.len(), tokio::time::Instant::now());
             }
-            // The newest version: one swapped in while this loop waited for a
-            // slot or leased runs these jobs (the attempts already running
-            // keep theirs).
-            let plugin = q.plugin().plugin.unwrap_or(plugin);
             let mut first = Some(first);
             for lease in leases {
                 let permit = match first.take() {

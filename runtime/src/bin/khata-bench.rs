@@ -575,7 +575,7 @@ async fn fenced_cost(
     }
     let mut leases = Vec::with_capacity(total);
     while leases.len() < total {
-        let got = store.lease("charge", 1_000, Millis::now()).await?;
+        let got = store.lease("charge", 1_000, "bench", Millis::now()).await?;
         ensure!(!got.is_empty(), "leased {} of {total} jobs", leases.len());
         leases.extend(got);
     }

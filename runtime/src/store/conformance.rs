@@ -77,7 +77,7 @@ async fn enqueue1(s: &dyn Store, j: NewJob, now: Millis) -> (String, bool) {
 }
 
 async fn lease1(s: &dyn Store, queue: &str, now: Millis) -> crate::job::Lease {
-    let mut l = s.lease(queue, 1, now).await.expect("lease");
+    let mut l = s.lease(queue, 1, "v1", now).await.expect("lease");
     assert_eq!(l.len(), 1, "expected one job to lease in {queue}");
     l.remove(0)
 }
@@ -271,7 +271,7 @@ pub async fn delivery_order(s: Arc<dyn Store>) {
     }
     s.enqueue(jobs, T0).await.unwrap();
     let order: Vec<String> = s
-        .lease("q", 10, T0)
+        .lease("q", 10, "v1", T0)
         .await
         .unwrap()
         .into_iter()
@@ -286,7 +286,7 @@ pub async fn delayed_jobs_wait(s: Arc<dyn Store>) {
     s.enqueue(vec![j], T0).await.unwrap();
     assert_eq!(state(&*s, "later", T0).await, JobState::Delayed);
     assert_eq!(s.next_run_at("q").await.unwrap(), Some(at(1_000)));
-    assert!(s.lease("q", 10, at(999)).await.unwrap().is_empty());
+    assert!(s.lease("q", 10, "v1", at(999)).await.unwrap().is_empty());
     assert_eq!(state(&*s, "later", at(1_000)).await, JobState::Waiting);
     let l = lease1(&*s, "q", at(1_000)).await;
     assert_eq!(l.job_id, "later");
@@ -298,8 +298,8 @@ pub async fn tokens_grow_and_leases_are_exclusive(s: Arc<dyn Store>) {
     s.enqueue((0..5).map(|i| new_job("q", &i.to_string())).collect(), T0)
         .await
         .unwrap();
-    let a = s.lease("q", 3, T0).await.unwrap();
-    let b = s.lease("q", 3, T0).await.unwrap();
+    let a = s.lease("q", 3, "v1", T0).await.unwrap();
+    let b = s.lease("q", 3, "v1", T0).await.unwrap();
     assert_eq!((a.len(), b.len()), (3, 2));
     let tokens: Vec<u64> = a.iter().chain(&b).map(|l| l.token).collect();
     assert!(
@@ -310,7 +310,7 @@ pub async fn tokens_grow_and_leases_are_exclusive(s: Arc<dyn Store>) {
     ids.sort_unstable();
     ids.dedup();
     assert_eq!(ids.len(), 5, "no job leased twice");
-    assert!(s.lease("q", 3, T0).await.unwrap().is_empty());
+    assert!(s.lease("q", 3, "v1", T0).await.unwrap().is_empty());
     assert!(a.iter().all(|l| l.attempt == 1));
 }
 
@@ -335,7 +335,9 @@ pub async fn finish_outcomes(s: Arc<dyn Store>) {
     assert_eq!(job.attempts.len(), 1);
     assert_eq!(job.attempts[0].outcome, AttemptOutcome::Retry);
     assert_eq!(job.attempts[0].ended_at, Some(at(10)));
-    let l2 = lease1(&*s, "q", at(500)).await;
+    assert_eq!(job.attempts[0].plugin_version.as_deref(), Some("v1"));
+    // Each attempt records the plugin version it was leased for.
+    let l2 = s.lease("q", 1, "v2", at(500)).await.unwrap().remove(0);
     assert_eq!(l2.attempt, 2);
     assert!(l2.token > l.token);
     // The first attempt's lease is gone: its finish is fenced.
@@ -364,8 +366,14 @@ pub async fn finish_outcomes(s: Arc<dyn Store>) {
         job.attempts.iter().map(|a| a.outcome).collect::<Vec<_>>(),
         [AttemptOutcome::Retry, AttemptOutcome::Completed]
     );
+    let versions: Vec<_> = job
+        .attempts
+        .iter()
+        .map(|a| a.plugin_version.as_deref())
+        .collect();
+    assert_eq!(versions, [Some("v1"), Some("v2")]);
     assert!(
-        s.lease("q", 10, at(10_000)).await.unwrap().is_empty(),
+        s.lease("q", 10, "v1", at(10_000)).await.unwrap().is_empty(),
         "a completed job never runs again"
     );
 }
@@ -495,7 +503,7 @@ pub async fn recover_abandoned(s: Arc<dyn Store>) {
     )
     .await
     .unwrap();
-    let leases = s.lease("q", 2, T0).await.unwrap();
+    let leases = s.lease("q", 2, "v1", T0).await.unwrap();
     assert_eq!(leases.len(), 2);
     assert_eq!(s.recover(at(100)).await.unwrap(), 2);
     let a = s.job("a", at(100)).await.unwrap().unwrap();
@@ -617,7 +625,7 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
     )
     .await
     .unwrap();
-    let ls = s.lease("q", 3, T0).await.unwrap();
+    let ls = s.lease("q", 3, "v1", T0).await.unwrap();
     for l in &ls {
         let finish = if l.job_id == "dead" {
             Finish::Fail {

@@ -203,8 +203,15 @@ pub trait Store: Send + Sync + 'static {
 
     /// Leases up to `max` jobs of `queue` that are waiting with `run_at <= now`,
     /// in delivery order (priority desc, run_at, enqueue order); each gets a new
-    /// attempt and a fresh fencing token. **Applied.**
-    async fn lease(&self, queue: &str, max: u32, now: Millis) -> Result<Vec<Lease>, StoreError>;
+    /// attempt, recorded with the `plugin_version` it will run on, and a fresh
+    /// fencing token. **Applied.**
+    async fn lease(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+    ) -> Result<Vec<Lease>, StoreError>;
 
     /// The earliest `run_at` of a waiting job of `queue`, if any. Committed state.
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError>;

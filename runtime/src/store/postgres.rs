@@ -125,10 +125,11 @@ use crate::job::{
 };
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
-pub const MIGRATIONS: &[&str] = &[r#"
+pub const MIGRATIONS: &[&str] = &[
+    r#"
 -- Fencing tokens: daemon-wide, only growing.
 CREATE SEQUENCE fencing_tokens AS bigint MINVALUE 1 START 1;
 
@@ -272,7 +273,11 @@ CREATE TRIGGER job_counts_update AFTER UPDATE ON jobs
     REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION job_counts_add();
 CREATE TRIGGER job_counts_delete AFTER DELETE ON jobs
     REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION job_counts_add();
-"#];
+"#,
+    r#"
+ALTER TABLE attempts ADD COLUMN plugin_version text;
+"#,
+];
 
 /// The advisory lock that serialises migrations (transaction-level).
 const MIGRATION_LOCK: i64 = 0x6b68_6174_615f_6d67; // "khata_mg"
@@ -843,7 +848,7 @@ async fn lock_job<C: GenericClient>(
 async fn load_attempts<C: GenericClient>(c: &C, id: &str) -> Result<Vec<Attempt>, Fail> {
     let rows = rows(
         c,
-        "SELECT number, token, started_at, ended_at, outcome, error FROM attempts \
+        "SELECT number, token, started_at, ended_at, outcome, error, plugin_version FROM attempts \
          WHERE job_id = $1 ORDER BY number",
         &[&id],
     )
@@ -858,6 +863,7 @@ async fn load_attempts<C: GenericClient>(c: &C, id: &str) -> Result<Vec<Attempt>
                 ended_at: r.try_get::<_, Option<i64>>(3)?.map(Millis),
                 outcome: AttemptOutcome::parse(&outcome).unwrap_or(AttemptOutcome::Error),
                 error: r.try_get(5)?,
+                plugin_version: r.try_get(6)?,
             })
         })
         .collect()
@@ -1043,6 +1049,7 @@ async fn lease_batch<C: GenericClient>(
     c: &C,
     queue: &str,
     max: u32,
+    plugin_version: &str,
     now: Millis,
 ) -> Result<Vec<Lease>, Fail> {
     let picked = rows(
@@ -1090,9 +1097,9 @@ async fn lease_batch<C: GenericClient>(
                  budget_used = j.budget_used + 1, lease_token = v.token \
              FROM unnest($1::text[], $2::bigint[]) AS v(id, token) WHERE j.id = v.id \
              RETURNING j.id, j.attempt, j.lease_token) \
-         INSERT INTO attempts (job_id, number, token, started_at, outcome) \
-         SELECT id, attempt, lease_token, $3, 'running' FROM leased",
-        &[&ids, &tokens, &now.0],
+         INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version) \
+         SELECT id, attempt, lease_token, $3, 'running', $4 FROM leased",
+        &[&ids, &tokens, &now.0, &plugin_version],
     )
     .await?;
     Ok(leases)
@@ -1700,9 +1707,21 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn lease(&self, queue: &str, max: u32, now: Millis) -> Result<Vec<Lease>, StoreError> {
-        step!(self, Mode::Write, |tx| lease_batch(&tx, queue, max, now)
-            .await)
+    async fn lease(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+    ) -> Result<Vec<Lease>, StoreError> {
+        step!(self, Mode::Write, |tx| lease_batch(
+            &tx,
+            queue,
+            max,
+            plugin_version,
+            now
+        )
+        .await)
     }
 
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
@@ -2394,7 +2413,7 @@ mod tests {
                 tokio::spawn(async move {
                     let mut mine = Vec::new();
                     loop {
-                        let leases = s.lease("q", 5, t0).await.unwrap();
+                        let leases = s.lease("q", 5, "v1", t0).await.unwrap();
                         if leases.is_empty() {
                             return mine;
                         }

@@ -37,7 +37,7 @@ const MAX_GROUP: usize = 1024;
 const READERS: usize = 4;
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
 const MIGRATIONS: &[&str] = &[
@@ -165,6 +165,9 @@ CREATE TRIGGER job_counts_update AFTER UPDATE OF state ON jobs WHEN old.state <>
     INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
         ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
 END;
+"#,
+    r#"
+ALTER TABLE attempts ADD COLUMN plugin_version TEXT;
 "#,
 ];
 
@@ -494,7 +497,7 @@ fn load_job(conn: &Connection, id: &str, now: Millis) -> Result<Option<Job>, Sto
 
 fn load_attempts(conn: &Connection, id: &str) -> Result<Vec<Attempt>, StoreError> {
     let mut stmt = conn.prepare_cached(
-        "SELECT number, token, started_at, ended_at, outcome, error FROM attempts \
+        "SELECT number, token, started_at, ended_at, outcome, error, plugin_version FROM attempts \
          WHERE job_id = ?1 ORDER BY number",
     )?;
     let rows = stmt.query_map([id], |r| {
@@ -506,6 +509,7 @@ fn load_attempts(conn: &Connection, id: &str) -> Result<Vec<Attempt>, StoreError
             ended_at: r.get::<_, Option<i64>>(3)?.map(Millis),
             outcome: AttemptOutcome::parse(&outcome).unwrap_or(AttemptOutcome::Error),
             error: r.get(5)?,
+            plugin_version: r.get(6)?,
         })
     })?;
     Ok(rows.collect::<Result<_, _>>()?)
@@ -632,6 +636,7 @@ fn lease_batch(
     w: &mut Writer,
     queue: &str,
     max: u32,
+    plugin_version: &str,
     now: Millis,
 ) -> Result<Vec<Lease>, StoreError> {
     let picked: Vec<(String, String, u32, u32, i64)> = w
@@ -659,10 +664,10 @@ fn lease_batch(
             .execute(params![id, number, t])?;
         w.conn
             .prepare_cached(
-                "INSERT INTO attempts (job_id, number, token, started_at, outcome) \
-                 VALUES (?1, ?2, ?3, ?4, 'running')",
+                "INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version) \
+                 VALUES (?1, ?2, ?3, ?4, 'running', ?5)",
             )?
-            .execute(params![id, number, t, now.0])?;
+            .execute(params![id, number, t, now.0, plugin_version])?;
         leases.push(Lease {
             job_id: id,
             queue: queue.to_owned(),
@@ -1143,9 +1148,15 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn lease(&self, queue: &str, max: u32, now: Millis) -> Result<Vec<Lease>, StoreError> {
-        let queue = queue.to_owned();
-        self.write(false, move |w| lease_batch(w, &queue, max, now))
+    async fn lease(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+    ) -> Result<Vec<Lease>, StoreError> {
+        let (queue, version) = (queue.to_owned(), plugin_version.to_owned());
+        self.write(false, move |w| lease_batch(w, &queue, max, &version, now))
             .await
     }
 
