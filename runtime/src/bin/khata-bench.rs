@@ -33,6 +33,13 @@
 //!    the bare `Provider::send` of the same request, over the same client, to
 //!    the same server, one call at a time (`--fenced-calls` of each,
 //!    interleaved); the figure is the difference of the medians.
+//! 8. the plugin life cycle: seconds from a new build of a plugin renamed
+//!    into `plugins_dir` to the daemon serving it (each build distinct, so
+//!    each is compiled); seconds from spawning the daemon to all of 10
+//!    queues serving their plugins (10 distinct builds of `echo`), cold (a
+//!    fresh data directory: every plugin compiled) and warm (a restart: the
+//!    compiled-code cache); and µs per `echo` invocation with the sandbox's
+//!    in-engine limits (epoch interruption, store limiter) and without them.
 //!
 //! Completion is watched with two cheap probes (`GET /v1/jobs?queue=&state=`
 //! for `waiting` and for `active`, limit 1) every 20 ms; once both are empty
@@ -59,7 +66,7 @@ use serde_json::{Value, json};
 use khata::config::{Grants, HttpProvider, OnUncertain};
 use khata::effects::http::{HttpRequest, Providers};
 use khata::effects::{Effects, Scope};
-use khata::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome};
+use khata::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome, Safeguards};
 use khata::job::{LeaseRef, Millis, NewJob};
 use khata::store::Store;
 use khata::store::sqlite::SqliteStore;
@@ -87,6 +94,12 @@ const WARM_UP: usize = 200;
 const SMALL_BACKLOG: usize = 10_000;
 /// Fenced and bare calls made before the timed ones of figure 7d.
 const FENCED_WARM_UP: usize = 50;
+/// Builds swapped in by figure 8a.
+const RELOADS: usize = 5;
+/// Queues, each with its own plugin build, in figure 8b.
+const START_PLUGINS: usize = 10;
+/// Rounds of invocations with and without the limits in figure 8c.
+const LIMIT_ROUNDS: usize = 5;
 
 const ECHO_QUEUE: &str = "[queues.echo]\nplugin = \"echo\"\nconcurrency = 16\n";
 const EXISTS_QUEUE: &str =
@@ -110,7 +123,7 @@ struct Args {
     #[arg(long)]
     million: bool,
     /// Run only these figures, e.g. `--only 1,4`.
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=7))]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=8))]
     only: Vec<u8>,
     /// Jobs drained in each run of figure 7's jobs/s (7a-7c).
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -168,6 +181,9 @@ async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
         let jobs = usize::try_from(args.effect_jobs)?;
         let calls = usize::try_from(args.fenced_calls)?;
         rows.extend(figure_effects(bench, jobs, calls).await?);
+    }
+    if wanted(8) {
+        rows.extend(figure_plugins(bench).await?);
     }
     Ok(rows)
 }
@@ -250,7 +266,7 @@ async fn figure_enqueue(bench: &Bench) -> anyhow::Result<Vec<Row>> {
 }
 
 async fn figure_invocation(bench: &Bench) -> anyhow::Result<Vec<Row>> {
-    let bed = InvocationBed::new(bench)?;
+    let bed = InvocationBed::new(bench, Safeguards::default())?;
     for i in 0..WARM_UP {
         bed.invoke(i).await?;
     }
@@ -502,6 +518,172 @@ async fn figure_effects(bench: &Bench, jobs: usize, calls: usize) -> anyhow::Res
         ),
     ));
     Ok(rows)
+}
+
+async fn figure_plugins(bench: &Bench) -> anyhow::Result<Vec<Row>> {
+    let echo = std::fs::read(bench.plugins.join("echo.wasm")).context("reading echo.wasm")?;
+
+    // 8a: a new build renamed over the running one, until it serves.
+    let daemon = bench.daemon("[queues.q]\nplugin = \"p\"\n", &[]).await?;
+    let plugins_dir = daemon.dir.join("plugins");
+    let mut swaps = Vec::with_capacity(RELOADS);
+    for n in 0..=RELOADS {
+        let build = distinct_build(&echo, n);
+        let tmp = plugins_dir.join(".p.wasm.tmp");
+        std::fs::write(&tmp, &build)?;
+        let started = Instant::now();
+        std::fs::rename(&tmp, plugins_dir.join("p.wasm"))?;
+        wait_serving(&daemon.api, &[("q", sha256_hex(&build))]).await?;
+        // Build 0 is the first load, not a swap.
+        if n > 0 {
+            swaps.push(started.elapsed().as_secs_f64());
+        }
+    }
+    drop(daemon);
+    let swap = Spread::of(swaps).decimals(2);
+    note(format!(
+        "8a: new build serving after {swap} s ({RELOADS} swaps, 200 ms of them the debounce)"
+    ));
+
+    // 8b: start with 10 plugins, cold and warm.
+    let queues: String = (0..START_PLUGINS)
+        .map(|i| format!("[queues.q{i}]\nplugin = \"p{i}\"\n"))
+        .collect();
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for run in 0..RUNS {
+        let mut daemon = bench.prepare(&queues, &[])?;
+        let mut expect = Vec::with_capacity(START_PLUGINS);
+        for i in 0..START_PLUGINS {
+            let build = distinct_build(&echo, 100 * (run + 1) + i);
+            std::fs::write(
+                daemon.dir.join("plugins").join(format!("p{i}.wasm")),
+                &build,
+            )?;
+            expect.push((format!("q{i}"), sha256_hex(&build)));
+        }
+        let expect: Vec<(&str, String)> = expect
+            .iter()
+            .map(|(q, h)| (q.as_str(), h.clone()))
+            .collect();
+        for times in [&mut cold, &mut warm] {
+            let started = Instant::now();
+            daemon.spawn()?;
+            daemon.wait_healthy().await?;
+            wait_serving(&daemon.api, &expect).await?;
+            times.push(started.elapsed().as_secs_f64());
+            daemon.kill9()?;
+        }
+    }
+    let (cold, warm) = (Spread::of(cold).decimals(2), Spread::of(warm).decimals(2));
+    note(format!(
+        "8b: start with {START_PLUGINS} plugins ({} KiB each): cold {cold} s, warm {warm} s",
+        echo.len() / 1024
+    ));
+
+    // 8c: one invocation with and without the in-engine limits, in
+    // alternating rounds so that drift hits both alike.
+    let beds = [
+        InvocationBed::new(bench, Safeguards::default())?,
+        InvocationBed::new(
+            bench,
+            Safeguards {
+                epoch_interruption: false,
+                store_limits: false,
+            },
+        )?,
+    ];
+    let mut micros = [Vec::new(), Vec::new()];
+    for bed in &beds {
+        for i in 0..WARM_UP {
+            bed.invoke(i).await?;
+        }
+    }
+    for _ in 0..LIMIT_ROUNDS {
+        for (bed, out) in beds.iter().zip(&mut micros) {
+            let started = Instant::now();
+            for i in 0..INVOCATIONS / LIMIT_ROUNDS {
+                bed.invoke(i).await?;
+            }
+            out.push(started.elapsed().as_secs_f64() * 1e6 / (INVOCATIONS / LIMIT_ROUNDS) as f64);
+        }
+    }
+    let [with, without] = micros.map(|m| Spread::of(m).decimals(1));
+    note(format!(
+        "8c: invocation with limits {with} µs, without {without} µs"
+    ));
+    Ok(vec![
+        Row::report(
+            "8a. plugin file renamed in → new version serving (incl. 200 ms debounce)",
+            format!("{swap} s"),
+        ),
+        Row::report(
+            &format!("8b. daemon start → {START_PLUGINS} plugins serving, cold (compile)"),
+            format!("{cold} s"),
+        ),
+        Row::report(
+            &format!("8b. daemon start → {START_PLUGINS} plugins serving, warm (code cache)"),
+            format!("{warm} s"),
+        ),
+        Row::report(
+            "8c. one echo invocation with epoch interruption + store limiter / without",
+            format!("{with} µs / {without} µs"),
+        ),
+    ])
+}
+
+/// `component` with a custom section naming `n` appended: the same code,
+/// another content hash, so the daemon treats it as a new build.
+fn distinct_build(component: &[u8], n: usize) -> Vec<u8> {
+    let name = b"khata-bench-build";
+    let payload = n.to_le_bytes();
+    let mut section = Vec::new();
+    leb128(&mut section, name.len());
+    section.extend_from_slice(name);
+    section.extend_from_slice(&payload);
+    let mut out = component.to_vec();
+    out.push(0); // custom section
+    leb128(&mut out, section.len());
+    out.extend_from_slice(&section);
+    out
+}
+
+fn leb128(out: &mut Vec<u8>, mut n: usize) {
+    loop {
+        let byte = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
+/// Waits until each `(queue, sha256)` serves that version.
+async fn wait_serving(api: &Api, expect: &[(&str, String)]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let list = api.get("/v1/queues").await?;
+        let queues = list["queues"].as_array().cloned().unwrap_or_default();
+        let serving = expect.iter().all(|(name, hash)| {
+            queues
+                .iter()
+                .any(|q| q["name"] == *name && q["sha256"] == hash.as_str())
+        });
+        if serving {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the plugins never served: {list}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 fn welcome_payload(i: usize) -> Value {
@@ -876,6 +1058,16 @@ impl Spread {
     }
 }
 
+impl Spread {
+    /// Median (min–max) with `places` decimals, for small values.
+    fn decimals(&self, places: usize) -> String {
+        format!(
+            "{:.places$} ({:.places$}–{:.places$})",
+            self.median, self.min, self.max
+        )
+    }
+}
+
 impl std::fmt::Display for Spread {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -1174,7 +1366,7 @@ async fn with_backlog(bench: &Bench, waiting: usize) -> anyhow::Result<Backlog> 
     let asked = Instant::now();
     daemon.api.counts("parked").await?;
     note(format!(
-        "   GET /v1/queues (counts by a scan of every job) took {} with this backlog",
+        "   GET /v1/queues (counts kept by the ledger) took {} with this backlog",
         millis(asked.elapsed())
     ));
     let mut rates = Vec::with_capacity(RUNS);
@@ -1218,13 +1410,14 @@ struct InvocationBed {
 }
 
 impl InvocationBed {
-    fn new(bench: &Bench) -> anyhow::Result<InvocationBed> {
-        let host = Host::new(
+    fn new(bench: &Bench, safeguards: Safeguards) -> anyhow::Result<InvocationBed> {
+        let host = Host::with_safeguards(
             &PoolSize {
                 instances: 16,
                 max_memory: 64 << 20,
             },
             None,
+            safeguards,
         )?;
         let plugin = host.load_file("echo", &bench.plugins.join("echo.wasm"))?;
         let dir = bench.fresh_dir("invocation")?;
@@ -1335,6 +1528,15 @@ impl Bench {
 
     /// Starts a daemon with `queues` and the guests named in `guests`.
     async fn daemon(&self, queues: &str, guests: &[&str]) -> anyhow::Result<Daemon> {
+        let mut daemon = self.prepare(queues, guests)?;
+        daemon.spawn()?;
+        daemon.wait_healthy().await?;
+        Ok(daemon)
+    }
+
+    /// A daemon's directory with `queues` and the guests named in `guests`,
+    /// not started yet.
+    fn prepare(&self, queues: &str, guests: &[&str]) -> anyhow::Result<Daemon> {
         let dir = self.fresh_dir("daemon")?;
         let plugins_dir = dir.join("plugins");
         std::fs::create_dir_all(&plugins_dir)?;
@@ -1348,15 +1550,12 @@ impl Bench {
             "[daemon]\ndata_dir = \"data\"\nplugins_dir = \"plugins\"\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n\n{queues}"
         );
         std::fs::write(dir.join("jobs.toml"), config)?;
-        let mut daemon = Daemon {
+        Ok(Daemon {
             khata: self.khata.clone(),
             dir,
             child: None,
             api: Api::new(port)?,
-        };
-        daemon.spawn()?;
-        daemon.wait_healthy().await?;
-        Ok(daemon)
+        })
     }
 
     fn clean_up(&self) {

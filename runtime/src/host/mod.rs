@@ -210,6 +210,26 @@ pub struct Host {
     cache: Option<Cache>,
     /// The pool's sizes, fixed for the life of the engine.
     pool: PoolSize,
+    safeguards: Safeguards,
+}
+
+/// The per-attempt limits enforced inside wasmtime. Both are on in the
+/// daemon: a queue's `timeout` relies on epoch interruption while the guest
+/// computes, and its `memory` on the store limiter. Turning one off is only
+/// for measuring what it costs (`khata-bench`, figure 8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Safeguards {
+    pub epoch_interruption: bool,
+    pub store_limits: bool,
+}
+
+impl Default for Safeguards {
+    fn default() -> Safeguards {
+        Safeguards {
+            epoch_interruption: true,
+            store_limits: true,
+        }
+    }
 }
 
 impl std::fmt::Debug for Host {
@@ -238,6 +258,16 @@ impl Host {
     /// given (created if missing). A cache that cannot be set up is logged
     /// and left out: plugins are then compiled at every load.
     pub fn new(pool: &PoolSize, code_cache: Option<&Path>) -> anyhow::Result<Host> {
+        Host::with_safeguards(pool, code_cache, Safeguards::default())
+    }
+
+    /// [`Host::new`], with the given safeguards (see [`Safeguards`]: the
+    /// daemon never turns them off).
+    pub fn with_safeguards(
+        pool: &PoolSize,
+        code_cache: Option<&Path>,
+        safeguards: Safeguards,
+    ) -> anyhow::Result<Host> {
         let mut config = Config::new();
         let cache = code_cache.and_then(|dir| match open_cache(dir) {
             Ok(c) => Some(c),
@@ -248,7 +278,7 @@ impl Host {
         });
         config.cache(cache.clone());
         config.wasm_component_model(true);
-        config.epoch_interruption(true);
+        config.epoch_interruption(safeguards.epoch_interruption);
         config.max_wasm_stack(512 * 1024);
         let mut pooling = PoolingAllocationConfig::new();
         let instances = pool.instances.max(16);
@@ -297,6 +327,7 @@ impl Host {
             ticker_stop,
             cache,
             pool: pool.clone(),
+            safeguards,
         })
     }
 
@@ -400,10 +431,14 @@ impl Host {
             },
         };
         let mut store = Store::new(&self.engine, state);
-        store.limiter(|s| &mut s.limits);
-        let ticks = limits.timeout.as_millis() / EPOCH_TICK.as_millis() + 1;
-        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
-        store.epoch_deadline_trap();
+        if self.safeguards.store_limits {
+            store.limiter(|s| &mut s.limits);
+        }
+        if self.safeguards.epoch_interruption {
+            let ticks = limits.timeout.as_millis() / EPOCH_TICK.as_millis() + 1;
+            store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
+            store.epoch_deadline_trap();
+        }
 
         let wit_job = bindings::Job {
             id: job.id.clone(),
