@@ -176,3 +176,91 @@ async fn a_schedule_fires_once_per_fire_time_as_the_clock_moves() {
     assert_eq!(fired(&d, "latest").await.len(), 3);
     assert_eq!(fired(&d, "all").await.len(), 7);
 }
+
+#[tokio::test]
+async fn sighup_adds_changes_and_removes_schedules_without_refiring() {
+    let daily = "\n[schedules.daily]\nqueue = \"tick\"\ncron = \"0 0 * * *\"\n";
+    let d = Daemon::start_new(&format!("{QUEUE}{daily}"), &[("echo", "echo")]).await;
+    d.wait_plugin("tick").await;
+    let advance = async |by: &str| {
+        let (status, v): (u16, Value) = d
+            .call(
+                "POST",
+                "/v1/test/clock",
+                Some(serde_json::json!({"advance": by})),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    };
+    let names = async || -> Vec<String> {
+        let (status, v): (u16, Value) = d.call("GET", "/v1/schedules", None).await;
+        assert_eq!(status, 200, "{v}");
+        let mut names: Vec<String> = v["schedules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} {}",
+                    s["name"].as_str().unwrap(),
+                    s["cron"].as_str().unwrap()
+                )
+            })
+            .collect();
+        names.sort();
+        names
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    advance("1d").await;
+    assert_eq!(wait_count(&d, "daily", 1).await.len(), 1);
+
+    // daily now fires at noon too; hourly is new.
+    d.rewrite_config(&format!(
+        "{QUEUE}\n[schedules.daily]\nqueue = \"tick\"\ncron = \"0 0,12 * * *\"\n\
+         [schedules.hourly]\nqueue = \"tick\"\ncron = \"0 * * * *\"\n"
+    ));
+    d.hup();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while names().await != ["daily 0 0,12 * * *", "hourly 0 * * * *"] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "reloaded schedules: {:?}",
+            names().await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        fired(&d, "daily").await.len(),
+        1,
+        "a changed schedule fires from now on: nothing fires again, nothing is caught up"
+    );
+    assert!(
+        fired(&d, "hourly").await.is_empty(),
+        "a new one fires from now on"
+    );
+    // Half a day: twelve hourly fire times (catch_up = latest: one job), and
+    // daily's next fire time, by its new line.
+    advance("12h").await;
+    assert_eq!(wait_count(&d, "daily", 2).await.len(), 2);
+    assert_eq!(wait_count(&d, "hourly", 1).await.len(), 1);
+
+    // Removed: it fires no more.
+    d.rewrite_config(&format!("{QUEUE}{daily}"));
+    d.hup();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while names().await != ["daily 0 0 * * *"] {
+        assert!(std::time::Instant::now() < deadline, "{:?}", names().await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    advance("2h").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(fired(&d, "hourly").await.len(), 1);
+
+    // A bad schedule refuses the whole file: the running ones stay.
+    d.rewrite_config(&format!(
+        "{QUEUE}{daily}\n[schedules.bad]\nqueue = \"tick\"\ncron = \"not a cron\"\n"
+    ));
+    d.hup();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(names().await, ["daily 0 0 * * *"]);
+}

@@ -11,7 +11,7 @@
 //!
 //! SIGHUP reloads jobs.toml: queues added, changed or removed take effect
 //! (see [`Queues::reconfigure`]), and so do `[retention]`, `[email]` and
-//! `[http.*]`; `[daemon]` and `[store]` are read at start only (a change
+//! `[http.*]` and `[schedules]`; `[daemon]` and `[store]` are read at start only (a change
 //! is logged as waiting for a restart). A file that does not
 //! parse or validate, or asks for more than the instance pool sized at start
 //! can give, is refused with its errors logged, and the running
@@ -306,6 +306,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
             store: Arc::clone(&store),
             host: Arc::clone(&host),
             queues: Arc::clone(&queues),
+            schedules: Arc::clone(&schedules),
         },
         (loader, watch),
         hangup,
@@ -419,6 +420,7 @@ struct Running {
     store: Arc<dyn Store>,
     host: Arc<Host>,
     queues: Arc<Queues>,
+    schedules: Arc<Schedules>,
 }
 
 /// The background chores: plugin changes, configuration reloads, retention,
@@ -511,6 +513,7 @@ fn reload(run: &mut Running) -> Result<Reconfigured, String> {
             bytesize::ByteSize(pool.max_memory)
         ));
     }
+    let plans = Schedules::plans_of(&new).map_err(|e| format!("{path}: schedules: {e}"))?;
     let old = &run.config;
     let outside_now = if new.email != old.email || new.http != old.http {
         Some(outside(&new).map_err(|e| e.to_string())?)
@@ -555,10 +558,12 @@ fn reload(run: &mut Running) -> Result<Reconfigured, String> {
             ));
         }
     }
+    run.schedules.install(plans, run.queues.now());
     tracing::info!(
         added = ?done.added,
         changed = ?done.changed,
         removed = ?done.removed,
+        schedules = new.schedules.len(),
         "configuration reloaded"
     );
     // What is read at start only stays as it runs.

@@ -37,7 +37,7 @@ const TICK: Duration = Duration::from_secs(1);
 const MARKS_FILE: &str = "schedules.json";
 
 /// A schedule ready to fire.
-struct Plan {
+pub struct Plan {
     config: config::Schedule,
     cron: Cron,
     tz: chrono_tz::Tz,
@@ -60,7 +60,10 @@ pub struct ScheduleView {
 
 /// Every schedule of the configuration and where each stands.
 pub struct Schedules {
-    plans: Vec<Plan>,
+    /// Replaced whole by a reload; each tick works on one snapshot.
+    plans: std::sync::RwLock<Arc<Vec<Plan>>>,
+    /// Wakes the firing loop when the plans change.
+    changed: tokio::sync::Notify,
     marks_path: PathBuf,
     /// Latest fire time enqueued, by schedule name.
     marks: Mutex<BTreeMap<String, Millis>>,
@@ -70,7 +73,7 @@ pub struct Schedules {
 impl std::fmt::Debug for Schedules {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Schedules")
-            .field("count", &self.plans.len())
+            .field("count", &self.plans().len())
             .finish_non_exhaustive()
     }
 }
@@ -127,6 +130,21 @@ impl Plan {
 impl Schedules {
     /// The schedules of `config`, with the marks kept in `data_dir`.
     pub fn new(config: &Config) -> Result<Schedules, String> {
+        let plans = Schedules::plans_of(config)?;
+        let marks_path = config.daemon.data_dir.join(MARKS_FILE);
+        let marks = read_marks(&marks_path)?;
+        Ok(Schedules {
+            plans: std::sync::RwLock::new(Arc::new(plans)),
+            changed: tokio::sync::Notify::new(),
+            marks_path,
+            marks: Mutex::new(marks),
+            errors: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// Checks the schedules of a reloaded configuration; [`Schedules::install`]
+    /// then puts them in place.
+    pub fn plans_of(config: &Config) -> Result<Vec<Plan>, String> {
         let mut plans = Vec::new();
         for s in config.schedules.values() {
             let key = format!("schedules.{}", s.name);
@@ -145,25 +163,52 @@ impl Schedules {
                 max_attempts,
             });
         }
-        let marks_path = config.daemon.data_dir.join(MARKS_FILE);
-        let marks = read_marks(&marks_path)?;
-        Ok(Schedules {
-            plans,
-            marks_path,
-            marks: Mutex::new(marks),
-            errors: Mutex::new(BTreeMap::new()),
-        })
+        Ok(plans)
+    }
+
+    /// Replaces the schedules (a SIGHUP reload) at `now`. A schedule whose
+    /// cron line and time zone stay keeps its mark and goes on as before. One
+    /// whose cron line or time zone changed fires from `now` on by the new
+    /// one: the new line's times between its last fire and `now` are not
+    /// caught up, as they never were its fire times. A new one fires from
+    /// `now` on, as at start. Nothing already enqueued fires again (its job
+    /// id is taken).
+    pub fn install(&self, plans: Vec<Plan>, now: Millis) {
+        let old = self.plans();
+        for p in &plans {
+            let name = &p.config.name;
+            let changed = old.iter().any(|o| {
+                o.config.name == *name
+                    && (o.config.cron != p.config.cron || o.config.timezone != p.config.timezone)
+            });
+            let mark = self.marks.lock().ok().and_then(|m| m.get(name).copied());
+            if let Some(mark) = mark.filter(|m| changed && *m < now) {
+                tracing::info!(schedule = %name, from = %mark.rfc3339(), "schedule changed; it fires from now on");
+                self.set_mark(name, now);
+            }
+        }
+        if let Ok(mut p) = self.plans.write() {
+            *p = Arc::new(plans);
+        }
+        self.changed.notify_one();
+    }
+
+    fn plans(&self) -> Arc<Vec<Plan>> {
+        self.plans
+            .read()
+            .map(|p| Arc::clone(&p))
+            .unwrap_or_default()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.plans.is_empty()
+        self.plans().is_empty()
     }
 
     /// Where each schedule stands, at `now`.
     pub fn views(&self, now: Millis) -> Vec<ScheduleView> {
         let marks = self.marks.lock().map(|m| m.clone()).unwrap_or_default();
         let errors = self.errors.lock().map(|e| e.clone()).unwrap_or_default();
-        self.plans
+        self.plans()
             .iter()
             .map(|p| {
                 let name = &p.config.name;
@@ -193,11 +238,12 @@ impl Schedules {
     ) {
         loop {
             let now = queues.now();
-            for plan in &self.plans {
+            for plan in self.plans().iter() {
                 self.fire_due(plan, &*store, &queues, now).await;
             }
             tokio::select! {
                 () = tokio::time::sleep(self.sleep(queues.now())) => {}
+                () = self.changed.notified() => {}
                 () = stop.cancelled() => break,
             }
         }
@@ -206,7 +252,7 @@ impl Schedules {
     /// How long until the next fire time, at most [`TICK`].
     fn sleep(&self, now: Millis) -> Duration {
         let marks = self.marks.lock().map(|m| m.clone()).unwrap_or_default();
-        self.plans
+        self.plans()
             .iter()
             .filter_map(|p| p.next_after(marks.get(&p.config.name).copied().unwrap_or(now)))
             .map(|next| Duration::from_millis(u64::try_from(next.0 - now.0).unwrap_or(0)))
