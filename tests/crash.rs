@@ -24,8 +24,21 @@ fn jitter_ms(lo: u64, hi: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_nine_three_times_loses_nothing_and_completes_each_job_once() {
+    kill_nine_three_times("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_nine_three_times_on_sled_loses_nothing_and_completes_each_job_once() {
+    kill_nine_three_times("[store]\nbackend = \"sled\"\n").await;
+}
+
+/// The run, on the store that `store_toml` (a `[store]` section, or nothing
+/// for the default) configures.
+async fn kill_nine_three_times(store_toml: &str) {
     let d = Daemon::start_new(
-        "[queues.work]\nplugin = \"chaos\"\nconcurrency = 16\nmax_attempts = 10\ngrants = { kv = true }\n",
+        &format!(
+            "{store_toml}[queues.work]\nplugin = \"chaos\"\nconcurrency = 16\nmax_attempts = 10\ngrants = {{ kv = true }}\n"
+        ),
         &[("chaos", "chaos")],
     )
     .await;

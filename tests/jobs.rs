@@ -399,3 +399,68 @@ rate_limit = { max = 3, per = "1s" }
         );
     }
 }
+
+/// `[store] backend = "sled"`: jobs run, retry and keep their kv writes in
+/// `data_dir/ledger.sled`, across a restart; `khata store migrate` names the
+/// layout.
+#[tokio::test]
+async fn jobs_run_on_the_sled_store_and_survive_a_restart() {
+    let mut d = Daemon::start_new(
+        &format!("[store]\nbackend = \"sled\"\n{CHAOS}"),
+        &[("chaos", "chaos")],
+    )
+    .await;
+    d.wait_plugin("chaos").await;
+    let data = d.dir.path().join("data");
+    assert!(
+        data.join("ledger.sled").is_dir(),
+        "the sled ledger is in data_dir"
+    );
+    assert!(
+        !data.join("khata.db").exists(),
+        "no SQLite ledger beside it"
+    );
+
+    let first = d
+        .enqueue("chaos", payload(json!({"do": "exists", "key": "k1"})))
+        .await;
+    let job = d.wait_state(&first, "completed", 30).await;
+    assert_eq!(job["result"], json!({"new": true}));
+    let retried = d
+        .enqueue("chaos", payload(json!({"do": "retry_until", "n": 2})))
+        .await;
+    let job = d.wait_state(&retried, "completed", 30).await;
+    assert_eq!(job["result"], json!({"attempt": 2}));
+    let outcomes: Vec<_> = job["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["outcome"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(outcomes, ["retry", "completed"]);
+
+    assert!(d.terminate().success());
+    let out = std::process::Command::new(support::KHATA)
+        .args(["store", "migrate", "-c"])
+        .arg(d.config_path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("sled: layout version 1"), "{text}");
+    d.start().await;
+
+    // The kv write of the first run is there: the same key is not new.
+    let again = d
+        .enqueue("chaos", payload(json!({"do": "exists", "key": "k1"})))
+        .await;
+    let job = d.wait_state(&again, "completed", 30).await;
+    assert_eq!(job["result"], json!({"new": false}));
+    assert_eq!(d.job(&first).await["state"], "completed");
+    let q = d.queue("chaos").await;
+    assert_eq!(q["counts"]["completed"], 3, "{q}");
+}

@@ -87,23 +87,6 @@ async fn metrics_count_jobs_and_queue_depth() {
     }
 }
 
-#[test]
-fn a_backend_this_build_lacks_is_refused() {
-    let d = Daemon::prepare("[store]\nbackend = \"sled\"\n", &[]);
-    let out = std::process::Command::new(support::KHATA)
-        .args(["serve", "-c"])
-        .arg(d.config_path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("sled") && err.contains("not available"),
-        "{err}"
-    );
-    assert!(!d.dir.path().join("data").exists(), "nothing was created");
-}
-
 /// systemd's notify protocol (DESIGN 6.7): `READY=1` once the API answers,
 /// `WATCHDOG=1` while running, `STOPPING=1` on SIGTERM.
 #[tokio::test]

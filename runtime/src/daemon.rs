@@ -36,6 +36,7 @@ use crate::queue::{Clock, Outside, Queues, Reconfigured, Stop};
 use crate::schedule::Schedules;
 use crate::store::Store;
 use crate::store::postgres::PostgresStore;
+use crate::store::sled::SledStore;
 use crate::store::sqlite::SqliteStore;
 
 /// The compiled-code cache, under `data_dir`.
@@ -69,10 +70,6 @@ pub fn check(config_path: &Path) -> anyhow::Result<bool> {
     // No code cache: `check` writes nothing.
     let host = Host::new(&pool_size(&config), None)?;
     let mut ok = true;
-    if let Err(e) = check_supported(&config) {
-        eprintln!("{e}");
-        ok = false;
-    }
     for q in config.queues.values() {
         let path = plugin_path(&config, q);
         let result = host
@@ -126,18 +123,6 @@ fn pool_size(config: &Config) -> PoolSize {
     }
 }
 
-/// Refuses a configuration this build cannot serve as written, rather than
-/// silently serving something else.
-fn check_supported(config: &Config) -> Result<(), String> {
-    if config.store.backend == Backend::Sled {
-        return Err(format!(
-            "{}: store.backend = \"sled\" is not available in this build of khata; use \"sqlite\" (the default) or \"postgres\"",
-            config.path.display(),
-        ));
-    }
-    Ok(())
-}
-
 /// The PostgreSQL URL of `[store] url`, read from where it is kept.
 fn postgres_url(config: &Config) -> anyhow::Result<String> {
     let path = config.path.display();
@@ -160,7 +145,13 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
             tracing::info!(database = %store.target(), pool = config.store.pool, "the ledger is in PostgreSQL");
             Arc::new(store)
         }
-        Backend::Sled => anyhow::bail!(check_supported(config).err().unwrap_or_default()),
+        Backend::Sled => {
+            let data_dir = &config.daemon.data_dir;
+            let store = SledStore::open(data_dir)
+                .with_context(|| format!("opening the sled ledger in {}", data_dir.display()))?;
+            tracing::info!(path = %store.path().display(), "the ledger is in sled");
+            Arc::new(store)
+        }
         Backend::Sqlite => {
             let data_dir = &config.daemon.data_dir;
             Arc::new(
@@ -176,7 +167,18 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
 pub fn store_migrate(config_path: &Path) -> anyhow::Result<()> {
     let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
     match config.store.backend {
-        Backend::Sled => anyhow::bail!(check_supported(&config).err().unwrap_or_default()),
+        Backend::Sled => {
+            let data_dir = &config.daemon.data_dir;
+            // Opening writes the layout version of a new ledger and refuses a
+            // newer one; it fails while a daemon holds the ledger.
+            let store = SledStore::open(data_dir)
+                .with_context(|| format!("opening the sled ledger in {}", data_dir.display()))?;
+            println!(
+                "sled: layout version {} ({})",
+                crate::store::sled::LAYOUT_VERSION,
+                store.path().display()
+            );
+        }
         Backend::Postgres => {
             let url = postgres_url(&config)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -227,7 +229,6 @@ fn outside(config: &Config) -> anyhow::Result<Outside> {
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
-    check_supported(&config).map_err(|e| anyhow::anyhow!(e))?;
     let data_dir = &config.daemon.data_dir;
     let store = open_store(&config).await?;
     let recovered = store.recover(Millis::now()).await?;
@@ -494,7 +495,6 @@ async fn background(
 /// SIGHUP: reads jobs.toml again and applies it, or refuses it whole.
 fn reload(run: &mut Running) -> Result<Reconfigured, String> {
     let new = Config::load(&run.config.path).map_err(|e| e.to_string())?;
-    check_supported(&new)?;
     let path = new.path.display();
     // The instance pool is sized at start.
     let pool = run.host.pool();

@@ -41,6 +41,10 @@
 //!    compiled-code cache); and µs per `echo` invocation with the sandbox's
 //!    in-engine limits (epoch interruption, store limiter) and without them.
 //!
+//! `--backend sled` runs every daemon of the figures on the sled store
+//! (`[store] backend = "sled"`) instead of SQLite, so that the two can be
+//! set side by side; the store is printed above the table.
+//!
 //! Completion is watched with two cheap probes (`GET /v1/jobs?queue=&state=`
 //! for `waiting` and for `active`, limit 1) every 20 ms; once both are empty
 //! one `GET /v1/queues` confirms that every job completed.
@@ -131,6 +135,11 @@ struct Args {
     /// Fenced calls, and as many bare ones, timed in figure 7d.
     #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
     fenced_calls: u64,
+    /// The daemon's embedded store (`[store] backend`) in every figure that
+    /// runs the daemon (1-3, 5-7c); figures 4 and 7d run in this process on
+    /// SQLite whatever this says.
+    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "sled"])]
+    backend: String,
 }
 
 #[tokio::main]
@@ -147,6 +156,7 @@ async fn main() -> anyhow::Result<()> {
     println!("{}", machine());
     let load: Vec<&str> = load.split_whitespace().take(3).collect();
     println!("load average before the run: {}", load.join(" "));
+    println!("store: {}", args.backend);
     let others = OTHERS.lock().map_or(0.0, |o| *o);
     println!("CPU used by other processes while measuring: {others:.1} s");
     println!();
@@ -1484,6 +1494,8 @@ struct Bench {
     plugins: PathBuf,
     root: PathBuf,
     dirs: AtomicUsize,
+    /// The `[store]` section of every daemon's jobs.toml.
+    store: String,
 }
 
 impl Bench {
@@ -1515,6 +1527,7 @@ impl Bench {
             plugins,
             root,
             dirs: AtomicUsize::new(0),
+            store: format!("[store]\nbackend = \"{}\"\n\n", args.backend),
         })
     }
 
@@ -1547,7 +1560,8 @@ impl Bench {
         }
         let port = free_port()?;
         let config = format!(
-            "[daemon]\ndata_dir = \"data\"\nplugins_dir = \"plugins\"\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n\n{queues}"
+            "[daemon]\ndata_dir = \"data\"\nplugins_dir = \"plugins\"\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n\n{}{queues}",
+            self.store
         );
         std::fs::write(dir.join("jobs.toml"), config)?;
         Ok(Daemon {

@@ -18,6 +18,7 @@
 
 pub mod conformance;
 pub mod postgres;
+pub mod sled;
 pub mod sqlite;
 
 use std::time::Duration;

@@ -1,0 +1,2140 @@
+//! The sled ledger (`[store] backend = "sled"`): sled 0.34 in
+//! `data_dir/ledger.sled`, one writer with group commit, flushed and then
+//! fdatasynced by that writer alone.
+//!
+//! # Trees and keys
+//!
+//! Keys are built from parts: a string is its length (u32, big-endian) then
+//! its bytes, so no string can run into the next part; a number is
+//! big-endian, an `i64` with its sign bit flipped so that byte order is
+//! numeric order; a priority is stored inverted so that higher comes first.
+//! Records are JSON (serde), so that a new field with a default reads old
+//! records unchanged.
+//!
+//! | tree | key | value |
+//! | --- | --- | --- |
+//! | `meta` | `layout`, `token`, `seq` | u64: layout version, highest fencing token issued, highest enqueue seq |
+//! | `jobs` | job id (raw bytes) | [`JobRec`] |
+//! | `attempts` | str job id, u32 number | [`AttemptRec`] |
+//! | `ready` | str queue, inverted i32 priority, i64 run_at, u64 seq | job id — waiting jobs in delivery order |
+//! | `due` | str queue, i64 run_at, u64 seq | job id — waiting jobs by run_at (next due, delayed count) |
+//! | `by_seq` | u64 seq | job id — every job, for pages newest first |
+//! | `by_state` | str queue, str stored state, u64 seq | job id — pages of one queue and state |
+//! | `active` | job id | empty — the jobs crash recovery visits |
+//! | `finished` | i64 finished_at, job id | job id — completed and cancelled jobs, for retention |
+//! | `dedup` | str queue, str key | [`DedupRec`] |
+//! | `counts` | str queue, str stored state | u64 jobs |
+//! | `kv` | str namespace, str key | the value |
+//! | `index` | str collection, str id | [`DocRec`] (document `None`: a tombstone) |
+//! | `fences` | str namespace, str kind, str key | [`FenceRec`] |
+//! | `fences_by_time` | i64 updated_at, fence key | fence key |
+//! | `effects` | str job id, u32 attempt, u32 n | [`EffectRec`] |
+//!
+//! The stored state is never `delayed`: a waiting job whose run_at is in the
+//! future is reported as delayed, as on SQLite. Every secondary tree is kept
+//! by [`Tx::put_job`] in the same transaction as the job record, so counting
+//! never scans jobs and `delayed` costs what is delayed (a range of `due`).
+//!
+//! # Writes
+//!
+//! One thread owns every write, so no two sled transactions ever run at
+//! once and none conflicts (sled's optimistic transactions abort by the
+//! hundred when many tasks lease the head of one tree). It takes every step
+//! waiting in its channel (up to [`MAX_GROUP`]); each step reads the trees,
+//! collects its writes in a [`Tx`] (which also answers the step's reads of
+//! its own writes) and applies them in one sled transaction over the trees it
+//! touched, or not at all when it fails. **Applied** steps are answered at
+//! once; then, if the group holds a **durable** step, the writer calls
+//! `flush()` and fdatasyncs sled's files, and answers the durable steps.
+//!
+//! # Durability
+//!
+//! sled's `flush()` on Linux writes its log with `pwrite` and
+//! `sync_file_range`, never `fdatasync`: it survives a process kill, not a
+//! power loss. So after each flush the writer calls `File::sync_data` on
+//! sled's data file `db` (every tree is one log in that file) and on each
+//! new file under `blobs/` (values too large for a log segment, written by
+//! sled without a sync), and fsyncs `blobs/` when it gained entries. Sled's
+//! own periodic flusher is off (`flush_every_ms(None)`): concurrent flushes
+//! deadlock in sled 0.34, so the writer is the only flusher.
+//!
+//! - Survives a process kill (`kill -9`): every step that was applied, durable
+//!   or not, once sled has written it to the kernel (sled writes its log
+//!   buffer when the flush runs or the buffer fills); always every step that
+//!   was answered durable.
+//! - Survives a power loss: every step answered durable, and every step
+//!   applied before it. Applied steps after the last durable answer may be
+//!   lost; nothing outside the daemon has learnt of them.
+//! - A failed flush or sync leaves the store refusing every later step
+//!   (`Unavailable`): what reached the disk is unknown, and the daemon must be
+//!   restarted so that recovery starts from what the disk holds.
+//!
+//! Reads go straight to the trees and see applied steps, not only durable
+//! ones (sled has no committed snapshot to read from); the daemon answers
+//! nothing from them that a durable step has not already carried.
+//!
+//! A lock file in the data directory keeps a second daemon off the ledger:
+//! crash recovery assumes every `active` job belongs to a dead process.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsString;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use sled::Transactional;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, RESOLVED_BY_OPERATOR,
+    Resolution, Store, StoreError, Swept, UpsertOutcome,
+};
+use crate::job::{
+    Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
+    StateCounts,
+};
+
+/// Most steps applied before one flush.
+const MAX_GROUP: usize = 1024;
+
+/// The key layout this build writes (the trees above).
+pub const LAYOUT_VERSION: u64 = 1;
+
+/// The sled database's directory inside `data_dir`.
+pub const DIR_NAME: &str = "ledger.sled";
+
+const META: usize = 0;
+const JOBS: usize = 1;
+const ATTEMPTS: usize = 2;
+const READY: usize = 3;
+const DUE: usize = 4;
+const BY_SEQ: usize = 5;
+const BY_STATE: usize = 6;
+const ACTIVE: usize = 7;
+const FINISHED: usize = 8;
+const DEDUP: usize = 9;
+const COUNTS: usize = 10;
+const KV: usize = 11;
+const INDEX: usize = 12;
+const FENCES: usize = 13;
+const FENCES_BY_TIME: usize = 14;
+const EFFECTS: usize = 15;
+
+const TREE_NAMES: [&str; 16] = [
+    "meta",
+    "jobs",
+    "attempts",
+    "ready",
+    "due",
+    "by_seq",
+    "by_state",
+    "active",
+    "finished",
+    "dedup",
+    "counts",
+    "kv",
+    "index",
+    "fences",
+    "fences_by_time",
+    "effects",
+];
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn sled_err(e: sled::Error) -> StoreError {
+    unavailable(format!("sled: {e}"))
+}
+
+// ---- keys ----
+
+fn put_str(k: &mut Vec<u8>, s: &str) {
+    let len = u32::try_from(s.len()).unwrap_or(u32::MAX);
+    k.extend_from_slice(&len.to_be_bytes());
+    k.extend_from_slice(s.as_bytes());
+}
+
+fn put_i64(k: &mut Vec<u8>, v: i64) {
+    k.extend_from_slice(&((v as u64) ^ (1 << 63)).to_be_bytes());
+}
+
+fn get_i64(b: &[u8]) -> Option<i64> {
+    let a: [u8; 8] = b.get(..8)?.try_into().ok()?;
+    Some((u64::from_be_bytes(a) ^ (1 << 63)) as i64)
+}
+
+fn strs(parts: &[&str]) -> Vec<u8> {
+    let mut k = Vec::new();
+    for p in parts {
+        put_str(&mut k, p);
+    }
+    k
+}
+
+fn ready_key(queue: &str, priority: i32, run_at: Millis, seq: u64) -> Vec<u8> {
+    let mut k = strs(&[queue]);
+    // Higher priority first: the order-preserving u32 of the i32, inverted.
+    k.extend_from_slice(&(!((priority as u32) ^ 0x8000_0000)).to_be_bytes());
+    put_i64(&mut k, run_at.0);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn due_key(queue: &str, run_at: Millis, seq: u64) -> Vec<u8> {
+    let mut k = strs(&[queue]);
+    put_i64(&mut k, run_at.0);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn by_state_key(queue: &str, state: JobState, seq: u64) -> Vec<u8> {
+    let mut k = strs(&[queue, state.as_str()]);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn finished_key(at: Millis, id: &str) -> Vec<u8> {
+    let mut k = Vec::new();
+    put_i64(&mut k, at.0);
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+fn attempt_key(job_id: &str, number: u32) -> Vec<u8> {
+    let mut k = strs(&[job_id]);
+    k.extend_from_slice(&number.to_be_bytes());
+    k
+}
+
+fn fence_key(id: &FenceId) -> Vec<u8> {
+    strs(&[&id.namespace, &id.kind, &id.key])
+}
+
+fn fence_time_key(updated_at: Millis, fence_key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::new();
+    put_i64(&mut k, updated_at.0);
+    k.extend_from_slice(fence_key);
+    k
+}
+
+fn effect_prefix(job_id: &str, attempt: u32) -> Vec<u8> {
+    attempt_key(job_id, attempt)
+}
+
+// ---- records ----
+
+/// A job as stored. `state` is never `delayed`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct JobRec {
+    id: String,
+    queue: String,
+    state: JobState,
+    payload: String,
+    priority: i32,
+    run_at: Millis,
+    seq: u64,
+    attempt: u32,
+    budget_used: u32,
+    max_attempts: u32,
+    dedup_key: Option<String>,
+    enqueued_at: Millis,
+    finished_at: Option<Millis>,
+    result: Option<String>,
+    last_error: Option<String>,
+    lease_token: Option<u64>,
+}
+
+impl JobRec {
+    fn to_job(&self, now: Millis) -> Job {
+        Job {
+            id: self.id.clone(),
+            queue: self.queue.clone(),
+            state: visible_state(self.state, self.run_at, now),
+            payload: self.payload.clone(),
+            priority: self.priority,
+            attempt: self.attempt,
+            budget_used: self.budget_used,
+            max_attempts: self.max_attempts,
+            dedup_key: self.dedup_key.clone(),
+            run_at: self.run_at,
+            enqueued_at: self.enqueued_at,
+            finished_at: self.finished_at,
+            result: self.result.clone(),
+            last_error: self.last_error.clone(),
+            attempts: Vec::new(),
+        }
+    }
+
+    /// The secondary entries this record owns: (tree, key, value).
+    fn derived(&self) -> Vec<(usize, Vec<u8>, Vec<u8>)> {
+        let id = self.id.as_bytes().to_vec();
+        let mut out = vec![
+            (BY_SEQ, self.seq.to_be_bytes().to_vec(), id.clone()),
+            (
+                BY_STATE,
+                by_state_key(&self.queue, self.state, self.seq),
+                id.clone(),
+            ),
+        ];
+        match self.state {
+            JobState::Waiting | JobState::Delayed => {
+                out.push((
+                    READY,
+                    ready_key(&self.queue, self.priority, self.run_at, self.seq),
+                    id.clone(),
+                ));
+                out.push((DUE, due_key(&self.queue, self.run_at, self.seq), id));
+            }
+            JobState::Active => out.push((ACTIVE, id, Vec::new())),
+            JobState::Completed | JobState::Cancelled => {
+                if let Some(at) = self.finished_at {
+                    out.push((FINISHED, finished_key(at, &self.id), id));
+                }
+            }
+            JobState::Dead => {}
+        }
+        out
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct AttemptRec {
+    number: u32,
+    token: u64,
+    started_at: Millis,
+    ended_at: Option<Millis>,
+    outcome: AttemptOutcome,
+    error: Option<String>,
+    #[serde(default)]
+    plugin_version: Option<String>,
+}
+
+impl AttemptRec {
+    fn to_attempt(&self) -> Attempt {
+        Attempt {
+            number: self.number,
+            fencing_token: self.token,
+            started_at: self.started_at,
+            ended_at: self.ended_at,
+            outcome: self.outcome,
+            error: self.error.clone(),
+            plugin_version: self.plugin_version.clone(),
+        }
+    }
+}
+
+/// A dedup key points at the job that holds it; `hold_until` keeps it held
+/// after that job ends (`dedup_for`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct DedupRec {
+    job_id: String,
+    hold_until: Option<Millis>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct DocRec {
+    version: u64,
+    document: Option<String>,
+    updated_at: Millis,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct FenceRec {
+    namespace: String,
+    kind: String,
+    key: String,
+    state: FenceState,
+    fingerprint: Vec<u8>,
+    job_id: String,
+    attempt: u32,
+    token: u64,
+    result: Option<Vec<u8>>,
+    created_at: Millis,
+    updated_at: Millis,
+}
+
+impl FenceRec {
+    fn to_fence(&self) -> Fence {
+        Fence {
+            id: FenceId {
+                namespace: self.namespace.clone(),
+                kind: self.kind.clone(),
+                key: self.key.clone(),
+            },
+            state: self.state,
+            fingerprint: self.fingerprint.clone(),
+            job_id: self.job_id.clone(),
+            attempt: self.attempt,
+            token: self.token,
+            result: self.result.clone(),
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct EffectRec {
+    kind: String,
+    key: String,
+    outcome: String,
+    at: Millis,
+}
+
+fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    // Serializing these plain records cannot fail.
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+fn decode<T: DeserializeOwned>(tree: usize, key: &[u8], bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        unavailable(format!(
+            "corrupt record in sled tree {} at key {}: {e}",
+            TREE_NAMES[tree],
+            hex::encode(key)
+        ))
+    })
+}
+
+fn visible_state(stored: JobState, run_at: Millis, now: Millis) -> JobState {
+    if stored == JobState::Waiting && run_at > now {
+        JobState::Delayed
+    } else {
+        stored
+    }
+}
+
+// ---- the trees ----
+
+struct Trees {
+    db: sled::Db,
+    t: Vec<sled::Tree>,
+}
+
+impl Trees {
+    fn get(&self, tree: usize, key: &[u8]) -> Result<Option<sled::IVec>, StoreError> {
+        self.t[tree].get(key).map_err(sled_err)
+    }
+
+    fn get_rec<T: DeserializeOwned>(
+        &self,
+        tree: usize,
+        key: &[u8],
+    ) -> Result<Option<T>, StoreError> {
+        match self.get(tree, key)? {
+            Some(v) => decode(tree, key, &v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn job(&self, id: &str) -> Result<Option<JobRec>, StoreError> {
+        self.get_rec(JOBS, id.as_bytes())
+    }
+
+    fn attempts(&self, job_id: &str) -> Result<Vec<AttemptRec>, StoreError> {
+        let prefix = strs(&[job_id]);
+        self.t[ATTEMPTS]
+            .scan_prefix(&prefix)
+            .map(|r| {
+                let (k, v) = r.map_err(sled_err)?;
+                decode(ATTEMPTS, &k, &v)
+            })
+            .collect()
+    }
+
+    fn meta(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        Ok(self.get(META, key.as_bytes())?.and_then(|v| {
+            let a: [u8; 8] = v.as_ref().try_into().ok()?;
+            Some(u64::from_be_bytes(a))
+        }))
+    }
+}
+
+/// One step's writes, applied in one sled transaction when the step
+/// succeeds. Point reads see the step's own writes first. Range scans read
+/// the trees (every earlier step, not this one's writes): a step never scans
+/// a range it has written.
+struct Tx {
+    trees: Arc<Trees>,
+    writes: BTreeMap<(usize, Vec<u8>), Option<Vec<u8>>>,
+    next_token: u64,
+    next_seq: u64,
+}
+
+impl Tx {
+    fn get(&self, tree: usize, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(w) = self.writes.get(&(tree, key.to_vec())) {
+            return Ok(w.clone());
+        }
+        Ok(self.trees.get(tree, key)?.map(|v| v.to_vec()))
+    }
+
+    fn get_rec<T: DeserializeOwned>(
+        &self,
+        tree: usize,
+        key: &[u8],
+    ) -> Result<Option<T>, StoreError> {
+        match self.get(tree, key)? {
+            Some(v) => decode(tree, key, &v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn insert(&mut self, tree: usize, key: Vec<u8>, value: Vec<u8>) {
+        self.writes.insert((tree, key), Some(value));
+    }
+
+    fn remove(&mut self, tree: usize, key: Vec<u8>) {
+        self.writes.insert((tree, key), None);
+    }
+
+    fn job(&self, id: &str) -> Result<Option<JobRec>, StoreError> {
+        self.get_rec(JOBS, id.as_bytes())
+    }
+
+    fn require_job(&self, id: &str) -> Result<JobRec, StoreError> {
+        self.job(id)?
+            .ok_or_else(|| StoreError::NotFound(id.to_owned()))
+    }
+
+    fn count(&mut self, queue: &str, state: JobState, delta: i64) -> Result<(), StoreError> {
+        let key = strs(&[queue, state.as_str()]);
+        let n = self
+            .get(COUNTS, &key)?
+            .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+            .map_or(0, u64::from_be_bytes);
+        let n = n.saturating_add_signed(delta);
+        if n == 0 {
+            self.remove(COUNTS, key);
+        } else {
+            self.insert(COUNTS, key, n.to_be_bytes().to_vec());
+        }
+        Ok(())
+    }
+
+    /// Replaces the job `old` with `new` (either may be absent), with every
+    /// secondary entry and count.
+    fn put_job(&mut self, old: Option<&JobRec>, new: Option<&JobRec>) -> Result<(), StoreError> {
+        if let Some(old) = old {
+            for (tree, key, _) in old.derived() {
+                self.remove(tree, key);
+            }
+            self.count(&old.queue, old.state, -1)?;
+            if new.is_none() {
+                self.remove(JOBS, old.id.as_bytes().to_vec());
+            }
+        }
+        if let Some(new) = new {
+            for (tree, key, value) in new.derived() {
+                self.insert(tree, key, value);
+            }
+            self.count(&new.queue, new.state, 1)?;
+            self.insert(JOBS, new.id.as_bytes().to_vec(), encode(new));
+        }
+        Ok(())
+    }
+
+    fn fence(&self, id: &FenceId) -> Result<Option<FenceRec>, StoreError> {
+        self.get_rec(FENCES, &fence_key(id))
+    }
+
+    fn put_fence(&mut self, old: Option<&FenceRec>, new: Option<&FenceRec>) {
+        let key = match (old, new) {
+            (Some(f), _) | (None, Some(f)) => fence_key(&FenceId {
+                namespace: f.namespace.clone(),
+                kind: f.kind.clone(),
+                key: f.key.clone(),
+            }),
+            (None, None) => return,
+        };
+        if let Some(old) = old {
+            self.remove(FENCES_BY_TIME, fence_time_key(old.updated_at, &key));
+        }
+        match new {
+            Some(new) => {
+                self.insert(
+                    FENCES_BY_TIME,
+                    fence_time_key(new.updated_at, &key),
+                    key.clone(),
+                );
+                self.insert(FENCES, key, encode(new));
+            }
+            None => self.remove(FENCES, key),
+        }
+    }
+
+    /// Applies the writes in one sled transaction over the trees they touch.
+    fn commit(self) -> Result<(), StoreError> {
+        if self.writes.is_empty() {
+            return Ok(());
+        }
+        let mut touched: Vec<usize> = self.writes.keys().map(|(t, _)| *t).collect();
+        touched.dedup();
+        let trees: Vec<sled::Tree> = touched.iter().map(|&t| self.trees.t[t].clone()).collect();
+        let writes = &self.writes;
+        trees
+            .as_slice()
+            .transaction(|txs| {
+                for ((tree, key), value) in writes {
+                    let at = touched.iter().position(|t| t == tree).unwrap_or(0);
+                    match value {
+                        Some(v) => {
+                            txs[at].insert(key.as_slice(), v.as_slice())?;
+                        }
+                        None => {
+                            txs[at].remove(key.as_slice())?;
+                        }
+                    }
+                }
+                Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| unavailable(format!("sled transaction: {e:?}")))
+    }
+}
+
+// ---- the writer ----
+
+type Step = Box<dyn FnOnce(&mut Writer) -> Answer + Send>;
+type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+struct Request {
+    step: Step,
+    durable: bool,
+}
+
+struct Writer {
+    trees: Arc<Trees>,
+    next_token: u64,
+    next_seq: u64,
+    /// sled's data file, kept open for `sync_data` after each flush.
+    data_file: File,
+    blobs_dir: PathBuf,
+    /// Blob files already synced.
+    synced_blobs: HashSet<OsString>,
+    /// Set once a flush or sync failed: every later step is refused.
+    broken: Option<String>,
+}
+
+impl Writer {
+    /// Runs one step and applies its writes in one transaction, or none of
+    /// them when it fails.
+    fn run<T>(
+        &mut self,
+        f: impl FnOnce(&mut Tx) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if let Some(why) = &self.broken {
+            return Err(unavailable(format!("the sled ledger stopped after: {why}")));
+        }
+        let mut tx = Tx {
+            trees: Arc::clone(&self.trees),
+            writes: BTreeMap::new(),
+            next_token: self.next_token,
+            next_seq: self.next_seq,
+        };
+        let value = f(&mut tx)?;
+        // The highest token and seq issued travel with the step that issued
+        // them, so that both only grow across restarts.
+        if tx.next_token != self.next_token {
+            tx.insert(
+                META,
+                b"token".to_vec(),
+                (tx.next_token - 1).to_be_bytes().to_vec(),
+            );
+        }
+        if tx.next_seq != self.next_seq {
+            tx.insert(
+                META,
+                b"seq".to_vec(),
+                (tx.next_seq - 1).to_be_bytes().to_vec(),
+            );
+        }
+        let (token, seq) = (tx.next_token, tx.next_seq);
+        tx.commit()?;
+        (self.next_token, self.next_seq) = (token, seq);
+        Ok(value)
+    }
+
+    /// Makes every applied step durable: flush, then fdatasync of the blobs
+    /// and of the data file. Durable against power loss when it returns Ok.
+    fn persist(&mut self) -> Result<(), StoreError> {
+        if let Some(why) = &self.broken {
+            return Err(unavailable(format!("the sled ledger stopped after: {why}")));
+        }
+        let done = self
+            .trees
+            .db
+            .flush()
+            .map_err(sled_err)
+            .and_then(|_| self.sync_blobs())
+            .and_then(|()| {
+                self.data_file
+                    .sync_data()
+                    .map_err(|e| unavailable(format!("fdatasync of sled's data file: {e}")))
+            });
+        if let Err(e) = &done {
+            tracing::error!(error = %e, "the sled ledger could not be made durable; it refuses every step from now on");
+            self.broken = Some(e.to_string());
+        }
+        done
+    }
+
+    fn sync_blobs(&mut self) -> Result<(), StoreError> {
+        let entries = match std::fs::read_dir(&self.blobs_dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => {
+                return Err(unavailable(format!(
+                    "reading {}: {e}",
+                    self.blobs_dir.display()
+                )));
+            }
+        };
+        let mut present = HashSet::new();
+        let mut added = false;
+        for entry in entries {
+            let entry = entry.map_err(unavailable)?;
+            let name = entry.file_name();
+            if !self.synced_blobs.contains(&name) {
+                let path = entry.path();
+                match File::open(&path) {
+                    Ok(f) => f.sync_data().map_err(|e| {
+                        unavailable(format!("fdatasync of {}: {e}", path.display()))
+                    })?,
+                    // Collected by sled meanwhile.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(unavailable(format!("{}: {e}", path.display()))),
+                }
+                added = true;
+            }
+            present.insert(name);
+        }
+        if added {
+            sync_dir(&self.blobs_dir)?;
+        }
+        self.synced_blobs = present;
+        Ok(())
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| unavailable(format!("fsync of {}: {e}", dir.display())))
+}
+
+fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
+    let mut group: Vec<Request> = Vec::with_capacity(MAX_GROUP);
+    let mut durable_answers: Vec<Answer> = Vec::with_capacity(MAX_GROUP);
+    while let Some(first) = rx.blocking_recv() {
+        group.push(first);
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(r) => group.push(r),
+                Err(_) => break,
+            }
+        }
+        for r in group.drain(..) {
+            let answer = (r.step)(&mut w);
+            if r.durable {
+                durable_answers.push(answer);
+            } else {
+                answer(Ok(()));
+            }
+        }
+        if durable_answers.is_empty() {
+            continue;
+        }
+        let started = Instant::now();
+        let persisted = w.persist();
+        metrics::histogram!("khata_store_commit_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!("khata_store_commit_steps").record(durable_answers.len() as f64);
+        for answer in durable_answers.drain(..) {
+            answer(persisted.clone());
+        }
+    }
+}
+
+/// A sled ledger in `data_dir/ledger.sled`.
+pub struct SledStore {
+    /// `None` once dropping: closing the channel stops the writer.
+    tx: Option<mpsc::UnboundedSender<Request>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+    trees: Arc<Trees>,
+    path: PathBuf,
+    _lock: File,
+}
+
+impl std::fmt::Debug for SledStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl Drop for SledStore {
+    /// Stops the writer after the steps already sent, so that the database
+    /// is closed (and its files unlocked) once the store is gone.
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl SledStore {
+    /// Opens (creating if needed) the ledger `ledger.sled` in `dir`, takes
+    /// the directory's lock and checks the key layout. A created ledger is
+    /// durable (its directory entries synced) when this returns.
+    pub fn open(dir: &Path) -> Result<SledStore, StoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
+        let lock_path = dir.join("khata.lock");
+        let lock = File::create(&lock_path)
+            .map_err(|e| unavailable(format!("cannot create {}: {e}", lock_path.display())))?;
+        lock.try_lock().map_err(|_| {
+            unavailable(format!(
+                "{} is locked: another khata daemon uses this data directory",
+                lock_path.display()
+            ))
+        })?;
+        let path = dir.join(DIR_NAME);
+        let db = sled::Config::new()
+            .path(&path)
+            // The writer is the only flusher (concurrent flushes deadlock).
+            .flush_every_ms(None)
+            .open()
+            .map_err(|e| unavailable(format!("opening {}: sled: {e}", path.display())))?;
+        let t = TREE_NAMES
+            .iter()
+            .map(|name| db.open_tree(name))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(sled_err)?;
+        let trees = Arc::new(Trees { db, t });
+        let layout = trees.meta("layout")?;
+        match layout {
+            Some(v) if v > LAYOUT_VERSION => {
+                return Err(unavailable(format!(
+                    "the ledger {} has layout version {v}, newer than this khata ({LAYOUT_VERSION}); upgrade khata",
+                    path.display()
+                )));
+            }
+            Some(_) => {}
+            None => {
+                trees.t[META]
+                    .insert(b"layout", &LAYOUT_VERSION.to_be_bytes())
+                    .map_err(sled_err)?;
+            }
+        }
+        let data_path = path.join("db");
+        let data_file = File::open(&data_path)
+            .map_err(|e| unavailable(format!("opening {}: {e}", data_path.display())))?;
+        let max_seq = trees.t[BY_SEQ]
+            .last()
+            .map_err(sled_err)?
+            .and_then(|(k, _)| <[u8; 8]>::try_from(k.as_ref()).ok())
+            .map_or(0, u64::from_be_bytes);
+        let mut writer = Writer {
+            trees: Arc::clone(&trees),
+            next_token: trees.meta("token")?.unwrap_or(0) + 1,
+            next_seq: trees.meta("seq")?.unwrap_or(0).max(max_seq) + 1,
+            data_file,
+            blobs_dir: path.join("blobs"),
+            synced_blobs: HashSet::new(),
+            broken: None,
+        };
+        writer.persist()?;
+        sync_dir(&path)?;
+        sync_dir(dir)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let writer = std::thread::Builder::new()
+            .name("khata-ledger".into())
+            .spawn(move || writer_loop(writer, rx))
+            .map_err(unavailable)?;
+        Ok(SledStore {
+            tx: Some(tx),
+            writer: Some(writer),
+            trees,
+            path,
+            _lock: lock,
+        })
+    }
+
+    /// The sled database's directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` on the writer as one transaction; answers after the flush
+    /// and fdatasync when `durable`, else once applied.
+    async fn write<T, F>(&self, durable: bool, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Tx) -> Result<T, StoreError> + Send + 'static,
+    {
+        let (reply, rx) = oneshot::channel();
+        let step: Step = Box::new(move |w: &mut Writer| {
+            let result = w.run(f);
+            Box::new(move |persisted: Result<(), StoreError>| {
+                let _ = reply.send(persisted.and(result));
+            })
+        });
+        self.tx
+            .as_ref()
+            .ok_or_else(|| unavailable("the ledger writer has stopped"))?
+            .send(Request { step, durable })
+            .map_err(|_| unavailable("the ledger writer has stopped"))?;
+        rx.await
+            .map_err(|_| unavailable("the ledger writer has stopped"))?
+    }
+
+    /// Runs `f` on the trees on the blocking pool.
+    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Trees) -> Result<T, StoreError> + Send + 'static,
+    {
+        let trees = Arc::clone(&self.trees);
+        tokio::task::spawn_blocking(move || f(&trees))
+            .await
+            .map_err(unavailable)?
+    }
+}
+
+// ---- steps ----
+
+/// Checks that `lease` holds its job: the job is active under that token.
+fn check_lease(tx: &Tx, lease: &LeaseRef) -> Result<JobRec, StoreError> {
+    match tx.job(&lease.job_id)? {
+        Some(j) if j.state == JobState::Active && j.lease_token == Some(lease.token) => Ok(j),
+        _ => Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        }),
+    }
+}
+
+/// Releases the job's dedup key if it still points at this job and is not
+/// held by `dedup_for` (compare-and-swap on the holder).
+fn release_dedup(tx: &mut Tx, job: &JobRec, now: Millis) -> Result<(), StoreError> {
+    let Some(key) = &job.dedup_key else {
+        return Ok(());
+    };
+    let k = strs(&[&job.queue, key]);
+    if let Some(d) = tx.get_rec::<DedupRec>(DEDUP, &k)?
+        && d.job_id == job.id
+        && d.hold_until.is_none_or(|h| h <= now)
+    {
+        tx.remove(DEDUP, k);
+    }
+    Ok(())
+}
+
+fn enqueue_one(
+    tx: &mut Tx,
+    job: NewJob,
+    index: usize,
+    now: Millis,
+) -> Result<Enqueued, StoreError> {
+    if let Some(id) = &job.id
+        && let Some(existing) = tx.job(id)?
+    {
+        if existing.payload == job.payload && existing.queue == job.queue {
+            return Ok(Enqueued {
+                job: existing.to_job(now),
+                deduplicated: true,
+            });
+        }
+        return Err(StoreError::IdReused {
+            id: id.clone(),
+            index,
+        });
+    }
+    if let Some(key) = &job.dedup_key
+        && let Some(holder) = tx.get_rec::<DedupRec>(DEDUP, &strs(&[&job.queue, key]))?
+        && let Some(held) = tx.job(&holder.job_id)?
+        && (held.state.is_live() || holder.hold_until.is_some_and(|h| h > now))
+    {
+        return Ok(Enqueued {
+            job: held.to_job(now),
+            deduplicated: true,
+        });
+    }
+    let id = job.id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+    let seq = tx.next_seq;
+    tx.next_seq += 1;
+    let rec = JobRec {
+        id: id.clone(),
+        queue: job.queue,
+        state: JobState::Waiting,
+        payload: job.payload,
+        priority: job.priority,
+        run_at: job.run_at,
+        seq,
+        attempt: 0,
+        budget_used: 0,
+        max_attempts: job.max_attempts,
+        dedup_key: job.dedup_key,
+        enqueued_at: now,
+        finished_at: None,
+        result: None,
+        last_error: None,
+        lease_token: None,
+    };
+    tx.put_job(None, Some(&rec))?;
+    if let Some(key) = &rec.dedup_key {
+        let d = DedupRec {
+            job_id: id,
+            hold_until: job.dedup_for.map(|d| now.plus(d)),
+        };
+        tx.insert(DEDUP, strs(&[&rec.queue, key]), encode(&d));
+    }
+    Ok(Enqueued {
+        job: rec.to_job(now),
+        deduplicated: false,
+    })
+}
+
+fn lease_batch(
+    tx: &mut Tx,
+    queue: &str,
+    max: u32,
+    plugin_version: &str,
+    now: Millis,
+) -> Result<Vec<Lease>, StoreError> {
+    let prefix = strs(&[queue]);
+    let mut picked = Vec::new();
+    let trees = Arc::clone(&tx.trees);
+    for entry in trees.t[READY].scan_prefix(&prefix) {
+        if picked.len() >= max as usize {
+            break;
+        }
+        let (_, id) = entry.map_err(sled_err)?;
+        let id = String::from_utf8_lossy(&id).into_owned();
+        let job = tx.require_job(&id)?;
+        if job.run_at <= now {
+            picked.push(job);
+        }
+    }
+    let mut leases = Vec::with_capacity(picked.len());
+    for old in picked {
+        let token = tx.next_token;
+        tx.next_token += 1;
+        let mut new = old.clone();
+        new.state = JobState::Active;
+        new.attempt += 1;
+        new.budget_used += 1;
+        new.lease_token = Some(token);
+        tx.put_job(Some(&old), Some(&new))?;
+        let a = AttemptRec {
+            number: new.attempt,
+            token,
+            started_at: now,
+            ended_at: None,
+            outcome: AttemptOutcome::Running,
+            error: None,
+            plugin_version: Some(plugin_version.to_owned()),
+        };
+        tx.insert(ATTEMPTS, attempt_key(&new.id, new.attempt), encode(&a));
+        leases.push(Lease {
+            job_id: new.id,
+            queue: queue.to_owned(),
+            payload: new.payload,
+            attempt: new.attempt,
+            max_attempts: new.max_attempts,
+            enqueued_at: new.enqueued_at,
+            token,
+        });
+    }
+    Ok(leases)
+}
+
+/// Closes the open attempt of `lease`'s token, if any.
+fn close_attempt(
+    tx: &mut Tx,
+    lease: &LeaseRef,
+    outcome: AttemptOutcome,
+    error: Option<&str>,
+    now: Millis,
+) -> Result<(), StoreError> {
+    let attempts = tx.trees.attempts(&lease.job_id)?;
+    for mut a in attempts {
+        let key = attempt_key(&lease.job_id, a.number);
+        // This step's own writes win over the tree.
+        if let Some(current) = tx.get_rec::<AttemptRec>(ATTEMPTS, &key)? {
+            a = current;
+        }
+        if a.token == lease.token && a.ended_at.is_none() {
+            a.ended_at = Some(now);
+            a.outcome = outcome;
+            a.error = error.map(str::to_owned);
+            tx.insert(ATTEMPTS, key, encode(&a));
+        }
+    }
+    Ok(())
+}
+
+/// Moves a job to a final state (completed, dead, cancelled).
+fn end_job(
+    tx: &mut Tx,
+    old: &JobRec,
+    state: JobState,
+    result: Option<&str>,
+    error: Option<&str>,
+    now: Millis,
+) -> Result<(), StoreError> {
+    let mut new = old.clone();
+    new.state = state;
+    new.finished_at = Some(now);
+    if let Some(r) = result {
+        new.result = Some(r.to_owned());
+    }
+    if let Some(e) = error {
+        new.last_error = Some(e.to_owned());
+    }
+    new.lease_token = None;
+    tx.put_job(Some(old), Some(&new))?;
+    release_dedup(tx, &new, now)
+}
+
+fn finish_step(
+    tx: &mut Tx,
+    lease: &LeaseRef,
+    finish: Finish,
+    now: Millis,
+) -> Result<JobState, StoreError> {
+    let job = tx.require_job(&lease.job_id)?;
+    let holds = job.state == JobState::Active && job.lease_token == Some(lease.token);
+    let (outcome, error) = match &finish {
+        Finish::Completed { .. } => (AttemptOutcome::Completed, None),
+        Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
+            (*outcome, Some(error.as_str()))
+        }
+        Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
+    };
+    if !holds {
+        // Cancelled (or recovered) meanwhile: record how the attempt ended,
+        // leave the job alone.
+        let outcome = if job.state == JobState::Cancelled {
+            AttemptOutcome::Cancelled
+        } else {
+            outcome
+        };
+        close_attempt(tx, lease, outcome, error, now)?;
+        return Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        });
+    }
+    close_attempt(tx, lease, outcome, error, now)?;
+    let back_to_waiting = |tx: &mut Tx, run_at: Millis, error: String, refund: bool| {
+        let mut new = job.clone();
+        new.state = JobState::Waiting;
+        new.run_at = run_at;
+        new.last_error = Some(error);
+        new.lease_token = None;
+        if refund {
+            new.budget_used = new.budget_used.saturating_sub(1);
+        }
+        tx.put_job(Some(&job), Some(&new))
+    };
+    Ok(match finish {
+        Finish::Completed { result } => {
+            end_job(tx, &job, JobState::Completed, Some(&result), None, now)?;
+            JobState::Completed
+        }
+        Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => {
+            back_to_waiting(tx, run_at, error, false)?;
+            visible_state(JobState::Waiting, run_at, now)
+        }
+        Finish::Retry { error, .. } => {
+            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
+            end_job(tx, &job, JobState::Dead, None, Some(&error), now)?;
+            JobState::Dead
+        }
+        Finish::Fail { error, .. } => {
+            end_job(tx, &job, JobState::Dead, None, Some(&error), now)?;
+            JobState::Dead
+        }
+        Finish::Interrupted { error } => {
+            back_to_waiting(tx, now, error, true)?;
+            JobState::Waiting
+        }
+    })
+}
+
+fn recover_step(tx: &mut Tx, now: Millis) -> Result<u64, StoreError> {
+    let trees = Arc::clone(&tx.trees);
+    let ids: Vec<String> = trees.t[ACTIVE]
+        .iter()
+        .keys()
+        .map(|k| k.map(|k| String::from_utf8_lossy(&k).into_owned()))
+        .collect::<Result<_, _>>()
+        .map_err(sled_err)?;
+    let error = "abandoned: the daemon stopped during this attempt";
+    for id in &ids {
+        let job = tx.require_job(id)?;
+        let lease = LeaseRef {
+            job_id: id.clone(),
+            token: job.lease_token.unwrap_or(0),
+        };
+        close_attempt(tx, &lease, AttemptOutcome::Abandoned, Some(error), now)?;
+        if job.budget_used < job.max_attempts {
+            let mut new = job.clone();
+            new.state = JobState::Waiting;
+            new.run_at = now;
+            new.last_error = Some(error.to_owned());
+            new.lease_token = None;
+            tx.put_job(Some(&job), Some(&new))?;
+        } else {
+            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
+            end_job(tx, &job, JobState::Dead, None, Some(&error), now)?;
+        }
+    }
+    Ok(ids.len() as u64)
+}
+
+fn cancel_step(tx: &mut Tx, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
+    let job = tx.require_job(id)?;
+    let state = visible_state(job.state, job.run_at, now);
+    if !state.is_live() {
+        return Err(StoreError::InvalidState {
+            id: id.to_owned(),
+            state,
+            wanted: "only a waiting, delayed or active job can be cancelled",
+        });
+    }
+    let was_active = job.state == JobState::Active;
+    end_job(tx, &job, JobState::Cancelled, None, None, now)?;
+    Ok((tx.require_job(id)?.to_job(now), was_active))
+}
+
+fn retry_step(tx: &mut Tx, id: &str, now: Millis) -> Result<Job, StoreError> {
+    let job = tx.require_job(id)?;
+    if !matches!(job.state, JobState::Dead | JobState::Cancelled) {
+        return Err(StoreError::InvalidState {
+            id: id.to_owned(),
+            state: visible_state(job.state, job.run_at, now),
+            wanted: "only a dead or cancelled job can be retried",
+        });
+    }
+    let mut new = job.clone();
+    new.state = JobState::Waiting;
+    new.run_at = now;
+    new.budget_used = 0;
+    new.finished_at = None;
+    tx.put_job(Some(&job), Some(&new))?;
+    // Take the dedup key back if no other job holds it.
+    if let Some(key) = &job.dedup_key {
+        let k = strs(&[&job.queue, key]);
+        if tx.get(DEDUP, &k)?.is_none() {
+            let d = DedupRec {
+                job_id: id.to_owned(),
+                hold_until: None,
+            };
+            tx.insert(DEDUP, k, encode(&d));
+        }
+    }
+    Ok(new.to_job(now))
+}
+
+fn sweep_step(
+    tx: &mut Tx,
+    now: Millis,
+    jobs: Duration,
+    fences: Duration,
+    limit: u32,
+) -> Result<Swept, StoreError> {
+    let trees = Arc::clone(&tx.trees);
+    let limit = limit as usize;
+    let mut cutoff = Vec::new();
+    put_i64(&mut cutoff, now.minus(jobs).0);
+    let ids: Vec<String> = trees.t[FINISHED]
+        .range(..cutoff)
+        .values()
+        .take(limit)
+        .map(|v| v.map(|v| String::from_utf8_lossy(&v).into_owned()))
+        .collect::<Result<_, _>>()
+        .map_err(sled_err)?;
+    for id in &ids {
+        let job = tx.require_job(id)?;
+        release_dedup(tx, &job, now)?;
+        for tree in [ATTEMPTS, EFFECTS] {
+            for k in trees.t[tree].scan_prefix(strs(&[id])).keys() {
+                tx.remove(tree, k.map_err(sled_err)?.to_vec());
+            }
+        }
+        tx.put_job(Some(&job), None)?;
+    }
+    let mut fence_cutoff = Vec::new();
+    put_i64(&mut fence_cutoff, now.minus(fences).0);
+    let mut fences_removed = 0u64;
+    for entry in trees.t[FENCES_BY_TIME].range(..fence_cutoff) {
+        if fences_removed as usize >= limit {
+            break;
+        }
+        let (_, key) = entry.map_err(sled_err)?;
+        if let Some(f) = tx.get_rec::<FenceRec>(FENCES, &key)?
+            && f.state == FenceState::Done
+        {
+            tx.put_fence(Some(&f), None);
+            fences_removed += 1;
+        }
+    }
+    // A dedup row whose hold expired and whose job is no longer live.
+    let mut dedup_removed = 0u64;
+    for entry in trees.t[DEDUP].iter() {
+        if dedup_removed as usize >= limit {
+            break;
+        }
+        let (k, _) = entry.map_err(sled_err)?;
+        let Some(d) = tx.get_rec::<DedupRec>(DEDUP, &k)? else {
+            continue;
+        };
+        let live = tx
+            .job(&d.job_id)?
+            .is_some_and(|j| matches!(j.state, JobState::Waiting | JobState::Active));
+        if d.hold_until.is_none_or(|h| h <= now) && !live {
+            tx.remove(DEDUP, k.to_vec());
+            dedup_removed += 1;
+        }
+    }
+    Ok(Swept {
+        jobs: ids.len() as u64,
+        fences: fences_removed,
+        dedup_keys: dedup_removed,
+    })
+}
+
+fn index_read(tx: &Tx, collection: &str, id: &str) -> Result<Option<DocRec>, StoreError> {
+    tx.get_rec(INDEX, &strs(&[collection, id]))
+}
+
+/// Whether the attempt that wrote `f` still holds its job.
+fn holder_alive(tx: &Tx, f: &FenceRec) -> Result<bool, StoreError> {
+    let holder = LeaseRef {
+        job_id: f.job_id.clone(),
+        token: f.token,
+    };
+    match check_lease(tx, &holder) {
+        Ok(_) => Ok(true),
+        Err(StoreError::Fenced { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> StoreError {
+    StoreError::InvalidFence {
+        namespace: id.namespace.clone(),
+        kind: id.kind.clone(),
+        key: id.key.clone(),
+        reason: reason.into(),
+    }
+}
+
+fn fence_begin_step(
+    tx: &mut Tx,
+    lease: &LeaseRef,
+    attempt: u32,
+    id: &FenceId,
+    fingerprint: &[u8],
+    now: Millis,
+) -> Result<FenceBegin, StoreError> {
+    check_lease(tx, lease)?;
+    let Some(f) = tx.fence(id)? else {
+        let f = FenceRec {
+            namespace: id.namespace.clone(),
+            kind: id.kind.clone(),
+            key: id.key.clone(),
+            state: FenceState::Started,
+            fingerprint: fingerprint.to_vec(),
+            job_id: lease.job_id.clone(),
+            attempt,
+            token: lease.token,
+            result: None,
+            created_at: now,
+            updated_at: now,
+        };
+        tx.put_fence(None, Some(&f));
+        return Ok(FenceBegin::Started);
+    };
+    if f.fingerprint != fingerprint {
+        return Ok(FenceBegin::KeyReused);
+    }
+    Ok(match f.state {
+        FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
+        FenceState::Uncertain => FenceBegin::Uncertain(f.to_fence()),
+        // A guest's host calls are sequential: a fence this very attempt
+        // started belongs to a call that is over, whose outcome is unknown.
+        FenceState::Started if f.job_id == lease.job_id && f.token == lease.token => {
+            FenceBegin::Abandoned(f.to_fence())
+        }
+        FenceState::Started if holder_alive(tx, &f)? => FenceBegin::InProgress { job_id: f.job_id },
+        FenceState::Started => FenceBegin::Abandoned(f.to_fence()),
+    })
+}
+
+/// Loads a fence that `lease` may move on: started by that lease, or by an
+/// attempt that died.
+fn owned_or_abandoned(tx: &Tx, lease: &LeaseRef, id: &FenceId) -> Result<FenceRec, StoreError> {
+    let f = tx
+        .fence(id)?
+        .ok_or_else(|| invalid_fence(id, "no such fence"))?;
+    if f.state != FenceState::Started {
+        return Err(invalid_fence(
+            id,
+            format!("it is {}, not started", f.state.as_str()),
+        ));
+    }
+    let mine = f.job_id == lease.job_id && f.token == lease.token;
+    if !mine && holder_alive(tx, &f)? {
+        return Err(invalid_fence(
+            id,
+            format!("a live attempt of job {:?} holds it", f.job_id),
+        ));
+    }
+    Ok(f)
+}
+
+/// Loads a `started` fence that `lease` itself holds (nobody took it over).
+fn held_by(tx: &Tx, lease: &LeaseRef, id: &FenceId) -> Result<FenceRec, StoreError> {
+    let f = owned_or_abandoned(tx, lease, id)?;
+    if f.token != lease.token {
+        return Err(invalid_fence(id, "another attempt took it over"));
+    }
+    Ok(f)
+}
+
+fn set_fence(
+    tx: &mut Tx,
+    old: &FenceRec,
+    state: FenceState,
+    lease: &LeaseRef,
+    attempt: u32,
+    result: Option<Vec<u8>>,
+    now: Millis,
+) {
+    let mut new = old.clone();
+    new.state = state;
+    new.job_id = lease.job_id.clone();
+    new.attempt = attempt;
+    new.token = lease.token;
+    if result.is_some() {
+        new.result = result;
+    }
+    new.updated_at = now;
+    tx.put_fence(Some(old), Some(&new));
+}
+
+fn fence_resolve_step(
+    tx: &mut Tx,
+    id: &FenceId,
+    resolution: Resolution,
+    now: Millis,
+) -> Result<(), StoreError> {
+    let f = tx.fence(id)?.ok_or_else(|| {
+        StoreError::NotFound(format!("fence {}/{}/{}", id.namespace, id.kind, id.key))
+    })?;
+    match f.state {
+        FenceState::Done => {
+            return Err(invalid_fence(id, "it is done; there is nothing to resolve"));
+        }
+        FenceState::Started if holder_alive(tx, &f)? => {
+            return Err(invalid_fence(
+                id,
+                format!("a live attempt of job {:?} holds it", f.job_id),
+            ));
+        }
+        FenceState::Started | FenceState::Uncertain => {}
+    }
+    match resolution {
+        Resolution::Done => {
+            let mut new = f.clone();
+            new.state = FenceState::Done;
+            new.result = Some(RESOLVED_BY_OPERATOR.to_vec());
+            new.updated_at = now;
+            tx.put_fence(Some(&f), Some(&new));
+        }
+        Resolution::NotDone => tx.put_fence(Some(&f), None),
+    }
+    Ok(())
+}
+
+fn ids_from(
+    values: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+) -> impl Iterator<Item = Result<(sled::IVec, String), StoreError>> {
+    values.map(|r| {
+        r.map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+            .map_err(sled_err)
+    })
+}
+
+#[async_trait]
+impl Store for SledStore {
+    async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
+        self.write(true, move |tx| {
+            jobs.into_iter()
+                .enumerate()
+                .map(|(i, j)| enqueue_one(tx, j, i, now))
+                .collect()
+        })
+        .await
+    }
+
+    async fn lease(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+    ) -> Result<Vec<Lease>, StoreError> {
+        let (queue, version) = (queue.to_owned(), plugin_version.to_owned());
+        self.write(false, move |tx| lease_batch(tx, &queue, max, &version, now))
+            .await
+    }
+
+    async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
+        let prefix = strs(&[queue]);
+        self.read(move |t| {
+            let first = t.t[DUE].scan_prefix(&prefix).keys().next();
+            match first {
+                Some(k) => {
+                    let k = k.map_err(sled_err)?;
+                    Ok(get_i64(&k[prefix.len()..]).map(Millis))
+                }
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn finish(
+        &self,
+        lease: &LeaseRef,
+        finish: Finish,
+        now: Millis,
+    ) -> Result<JobState, StoreError> {
+        let lease = lease.clone();
+        // A fenced finish still records how its attempt ended: apply that
+        // part, then report the fence.
+        self.write(true, move |tx| match finish_step(tx, &lease, finish, now) {
+            fenced @ Err(StoreError::Fenced { .. }) => Ok(fenced),
+            other => other.map(Ok),
+        })
+        .await?
+    }
+
+    async fn recover(&self, now: Millis) -> Result<u64, StoreError> {
+        self.write(true, move |tx| recover_step(tx, now)).await
+    }
+
+    async fn cancel(&self, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
+        let id = id.to_owned();
+        self.write(true, move |tx| cancel_step(tx, &id, now)).await
+    }
+
+    async fn retry(&self, id: &str, now: Millis) -> Result<Job, StoreError> {
+        let id = id.to_owned();
+        self.write(true, move |tx| retry_step(tx, &id, now)).await
+    }
+
+    async fn job(&self, id: &str, now: Millis) -> Result<Option<Job>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |t| {
+            let Some(rec) = t.job(&id)? else {
+                return Ok(None);
+            };
+            let mut job = rec.to_job(now);
+            job.attempts = t
+                .attempts(&id)?
+                .iter()
+                .map(AttemptRec::to_attempt)
+                .collect();
+            Ok(Some(job))
+        })
+        .await
+    }
+
+    async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
+        self.read(move |t| {
+            let limit = filter.limit.clamp(1, 1000) as usize;
+            let cursor: u64 = match &filter.cursor {
+                Some(s) => s
+                    .parse()
+                    .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
+                None => u64::MAX,
+            };
+            let stored = filter.state.map(|s| match s {
+                JobState::Delayed => JobState::Waiting,
+                s => s,
+            });
+            // Candidates newest first, below the cursor: from one queue and
+            // state when both are given, else from every job.
+            let candidates: Box<dyn Iterator<Item = Result<(sled::IVec, String), StoreError>>> =
+                match (&filter.queue, stored) {
+                    (Some(q), Some(s)) => {
+                        let start = by_state_key(q, s, 0);
+                        let end = by_state_key(q, s, cursor);
+                        Box::new(ids_from(t.t[BY_STATE].range(start..end).rev()))
+                    }
+                    _ => Box::new(ids_from(
+                        t.t[BY_SEQ].range(..cursor.to_be_bytes().to_vec()).rev(),
+                    )),
+                };
+            let mut jobs = Vec::new();
+            let mut last_seq = None;
+            for c in candidates {
+                if jobs.len() >= limit {
+                    break;
+                }
+                let (_, id) = c?;
+                let Some(rec) = t.job(&id)? else { continue };
+                if filter.queue.as_ref().is_some_and(|q| *q != rec.queue) {
+                    continue;
+                }
+                let job = rec.to_job(now);
+                if filter.state.is_some_and(|s| s != job.state) {
+                    continue;
+                }
+                last_seq = Some(rec.seq);
+                jobs.push(job);
+            }
+            let next_cursor = if jobs.len() == limit {
+                last_seq.map(|s| s.to_string())
+            } else {
+                None
+            };
+            Ok(JobPage { jobs, next_cursor })
+        })
+        .await
+    }
+
+    async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError> {
+        self.read(move |t| {
+            let mut out: BTreeMap<String, StateCounts> = BTreeMap::new();
+            for entry in t.t[COUNTS].iter() {
+                let (k, v) = entry.map_err(sled_err)?;
+                let (queue, rest) = split_str(&k).ok_or_else(|| corrupt(COUNTS, &k))?;
+                let (state, _) = split_str(rest).ok_or_else(|| corrupt(COUNTS, &k))?;
+                let state: JobState = state.parse().map_err(|_| corrupt(COUNTS, &k))?;
+                let n = <[u8; 8]>::try_from(v.as_ref())
+                    .map(u64::from_be_bytes)
+                    .map_err(|_| corrupt(COUNTS, &k))?;
+                out.entry(queue.to_owned()).or_default().add(state, n);
+            }
+            // `delayed`: the waiting jobs due after `now`, a range of `due`.
+            for (queue, counts) in &mut out {
+                if counts.waiting == 0 {
+                    continue;
+                }
+                let mut start = strs(&[queue]);
+                put_i64(&mut start, now.0.saturating_add(1));
+                let prefix = strs(&[queue]);
+                let n = t.t[DUE]
+                    .range(start..)
+                    .keys()
+                    .take_while(|k| k.as_ref().is_ok_and(|k| k.starts_with(&prefix)))
+                    .count() as u64;
+                let n = n.min(counts.waiting);
+                counts.waiting -= n;
+                counts.delayed += n;
+            }
+            Ok(out.into_iter().collect())
+        })
+        .await
+    }
+
+    async fn sweep(
+        &self,
+        now: Millis,
+        jobs: Duration,
+        fences: Duration,
+        limit: u32,
+    ) -> Result<Swept, StoreError> {
+        self.write(true, move |tx| sweep_step(tx, now, jobs, fences, limit))
+            .await
+    }
+
+    async fn kv_get(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            tx.get(KV, &k)
+        })
+        .await
+    }
+
+    async fn kv_put(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<(), StoreError> {
+        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            tx.insert(KV, k, value);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn kv_insert_if_absent(
+        &self,
+        lease: &LeaseRef,
+        ns: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<bool, StoreError> {
+        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            if tx.get(KV, &k)?.is_some() {
+                return Ok(false);
+            }
+            tx.insert(KV, k, value);
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError> {
+        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            if tx.get(KV, &k)?.is_none() {
+                return Ok(false);
+            }
+            tx.remove(KV, k);
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn index_upsert(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        document: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<UpsertOutcome, StoreError> {
+        let (lease, collection, id, document) = (
+            lease.clone(),
+            collection.to_owned(),
+            id.to_owned(),
+            document.to_owned(),
+        );
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            let outcome = match index_read(tx, &collection, &id)? {
+                Some(d) if d.version > version => return Ok(UpsertOutcome::Stale),
+                Some(d) if d.version == version && d.document.is_some() => {
+                    return Ok(UpsertOutcome::Unchanged);
+                }
+                Some(d) if d.version == version => return Ok(UpsertOutcome::Stale),
+                Some(d) if d.document.is_some() => UpsertOutcome::Updated,
+                _ => UpsertOutcome::Inserted,
+            };
+            let rec = DocRec {
+                version,
+                document: Some(document),
+                updated_at: now,
+            };
+            tx.insert(INDEX, strs(&[&collection, &id]), encode(&rec));
+            Ok(outcome)
+        })
+        .await
+    }
+
+    async fn index_remove(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+        version: u64,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            let removed = match index_read(tx, &collection, &id)? {
+                Some(d) if d.version > version => return Ok(false),
+                Some(d) => d.document.is_some(),
+                None => false,
+            };
+            let rec = DocRec {
+                version,
+                document: None,
+                updated_at: now,
+            };
+            tx.insert(INDEX, strs(&[&collection, &id]), encode(&rec));
+            Ok(removed)
+        })
+        .await
+    }
+
+    async fn index_get_leased(
+        &self,
+        lease: &LeaseRef,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+        self.write(false, move |tx| {
+            check_lease(tx, &lease)?;
+            Ok(index_read(tx, &collection, &id)?.and_then(|d| d.document))
+        })
+        .await
+    }
+
+    async fn index_get(
+        &self,
+        collection: &str,
+        id: &str,
+    ) -> Result<Option<(String, u64)>, StoreError> {
+        let key = strs(&[collection, id]);
+        self.read(move |t| {
+            let d: Option<DocRec> = t.get_rec(INDEX, &key)?;
+            Ok(d.and_then(|d| d.document.map(|doc| (doc, d.version))))
+        })
+        .await
+    }
+
+    async fn fence_begin(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        fingerprint: &[u8],
+        now: Millis,
+    ) -> Result<FenceBegin, StoreError> {
+        let (lease, id, fingerprint) = (lease.clone(), id.clone(), fingerprint.to_vec());
+        self.write(true, move |tx| {
+            fence_begin_step(tx, &lease, attempt, &id, &fingerprint, now)
+        })
+        .await
+    }
+
+    async fn fence_take_over(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |tx| {
+            check_lease(tx, &lease)?;
+            let f = owned_or_abandoned(tx, &lease, &id)?;
+            set_fence(tx, &f, FenceState::Started, &lease, attempt, None, now);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn fence_done(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        result: Vec<u8>,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |tx| {
+            let f = held_by(tx, &lease, &id)?;
+            set_fence(tx, &f, FenceState::Done, &lease, attempt, Some(result), now);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn fence_release(&self, lease: &LeaseRef, id: &FenceId) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |tx| {
+            let f = held_by(tx, &lease, &id)?;
+            tx.put_fence(Some(&f), None);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn fence_uncertain(
+        &self,
+        lease: &LeaseRef,
+        attempt: u32,
+        id: &FenceId,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let (lease, id) = (lease.clone(), id.clone());
+        self.write(true, move |tx| {
+            let f = owned_or_abandoned(tx, &lease, &id)?;
+            set_fence(tx, &f, FenceState::Uncertain, &lease, attempt, None, now);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn fence_resolve(
+        &self,
+        id: &FenceId,
+        resolution: Resolution,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let id = id.clone();
+        self.write(true, move |tx| fence_resolve_step(tx, &id, resolution, now))
+            .await
+    }
+
+    async fn fences(
+        &self,
+        namespace: Option<&str>,
+        state: Option<FenceState>,
+        limit: u32,
+    ) -> Result<Vec<Fence>, StoreError> {
+        let namespace = namespace.map(str::to_owned);
+        self.read(move |t| {
+            let limit = limit.clamp(1, 1000) as usize;
+            let mut out = Vec::new();
+            for entry in t.t[FENCES_BY_TIME].iter().rev() {
+                if out.len() >= limit {
+                    break;
+                }
+                let (_, key) = entry.map_err(sled_err)?;
+                let Some(f) = t.get_rec::<FenceRec>(FENCES, &key)? else {
+                    continue;
+                };
+                if namespace.as_ref().is_some_and(|n| *n != f.namespace)
+                    || state.is_some_and(|s| s != f.state)
+                {
+                    continue;
+                }
+                out.push(f.to_fence());
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn record_effect(&self, job_id: &str, record: EffectRecord) -> Result<(), StoreError> {
+        let job_id = job_id.to_owned();
+        self.write(false, move |tx| {
+            let prefix = effect_prefix(&job_id, record.attempt);
+            let last = tx.trees.t[EFFECTS]
+                .scan_prefix(&prefix)
+                .keys()
+                .next_back()
+                .transpose()
+                .map_err(sled_err)?;
+            let n = last
+                .and_then(|k| <[u8; 4]>::try_from(&k[prefix.len()..]).ok())
+                .map_or(0, u32::from_be_bytes);
+            let mut key = prefix;
+            key.extend_from_slice(&(n + 1).to_be_bytes());
+            let rec = EffectRec {
+                kind: record.kind,
+                key: record.key,
+                outcome: record.outcome,
+                at: record.at,
+            };
+            tx.insert(EFFECTS, key, encode(&rec));
+            Ok(())
+        })
+        .await
+    }
+
+    async fn effects(&self, job_id: &str) -> Result<Vec<EffectRecord>, StoreError> {
+        let prefix = strs(&[job_id]);
+        self.read(move |t| {
+            t.t[EFFECTS]
+                .scan_prefix(&prefix)
+                .map(|entry| {
+                    let (k, v) = entry.map_err(sled_err)?;
+                    let attempt = k
+                        .get(prefix.len()..prefix.len() + 4)
+                        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                        .map(u32::from_be_bytes)
+                        .ok_or_else(|| corrupt(EFFECTS, &k))?;
+                    let rec: EffectRec = decode(EFFECTS, &k, &v)?;
+                    Ok(EffectRecord {
+                        attempt,
+                        kind: rec.kind,
+                        key: rec.key,
+                        outcome: rec.outcome,
+                        at: rec.at,
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
+}
+
+/// Splits a length-prefixed string off the front of `b`.
+fn split_str(b: &[u8]) -> Option<(&str, &[u8])> {
+    let len = u32::from_be_bytes(b.get(..4)?.try_into().ok()?) as usize;
+    let s = std::str::from_utf8(b.get(4..4 + len)?).ok()?;
+    Some((s, &b[4 + len..]))
+}
+
+fn corrupt(tree: usize, key: &[u8]) -> StoreError {
+    unavailable(format!(
+        "corrupt key in sled tree {}: {}",
+        TREE_NAMES[tree],
+        hex::encode(key)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::SledStore;
+    use crate::store::Store;
+
+    crate::conformance_tests!(|| async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store: Arc<dyn Store> = Arc::new(SledStore::open(dir.path()).expect("open"));
+        (dir, store)
+    });
+
+    #[test]
+    fn a_second_daemon_is_kept_off_the_ledger() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let _first = SledStore::open(dir.path()).expect("open");
+        let second = SledStore::open(dir.path());
+        assert!(
+            second
+                .unwrap_err()
+                .to_string()
+                .contains("another khata daemon")
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reopened_ledger_keeps_jobs_fences_and_the_token_order() {
+        use crate::job::{Finish, Millis, NewJob};
+        use crate::store::{FenceBegin, FenceId};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = Millis(1_700_000_000_000);
+        let job = |id: &str| NewJob {
+            queue: "q".into(),
+            id: Some(id.into()),
+            payload: "{}".into(),
+            priority: 0,
+            run_at: now,
+            max_attempts: 3,
+            dedup_key: None,
+            dedup_for: None,
+        };
+        let fence = FenceId {
+            namespace: "q".into(),
+            kind: "http".into(),
+            key: "charge-1".into(),
+        };
+        let first_token = {
+            let s = SledStore::open(dir.path()).expect("open");
+            s.enqueue(vec![job("a"), job("b")], now).await.unwrap();
+            let l = s.lease("q", 1, "v1", now).await.unwrap().remove(0);
+            let lease = l.fence();
+            assert_eq!(
+                s.fence_begin(&lease, 1, &fence, b"fp", now).await.unwrap(),
+                FenceBegin::Started
+            );
+            s.fence_done(&lease, 1, &fence, b"paid".to_vec(), now)
+                .await
+                .unwrap();
+            s.finish(
+                &lease,
+                Finish::Completed {
+                    result: "{}".into(),
+                },
+                now,
+            )
+            .await
+            .unwrap();
+            // Leased, never finished: the next start recovers it.
+            s.lease("q", 1, "v1", now).await.unwrap().remove(0).token
+        };
+        let s = SledStore::open(dir.path()).expect("reopen");
+        assert_eq!(s.recover(now).await.unwrap(), 1);
+        let l = s.lease("q", 1, "v1", now).await.unwrap().remove(0);
+        assert_eq!(l.job_id, "b");
+        assert!(l.token > first_token, "tokens only grow across a reopen");
+        assert_eq!(
+            s.fence_begin(&l.fence(), 2, &fence, b"fp", now)
+                .await
+                .unwrap(),
+            FenceBegin::Replay(b"paid".to_vec())
+        );
+        let a = s.job("a", now).await.unwrap().unwrap();
+        assert_eq!(a.state, crate::job::JobState::Completed);
+        let counts = s.counts(now).await.unwrap();
+        assert_eq!((counts[0].1.completed, counts[0].1.active), (1, 1));
+        let page = s
+            .jobs(
+                crate::store::JobFilter {
+                    limit: 10,
+                    ..Default::default()
+                },
+                now,
+            )
+            .await
+            .unwrap();
+        let ids: Vec<_> = page.jobs.iter().map(|j| j.id.as_str()).collect();
+        assert_eq!(ids, ["b", "a"], "newest first, seq kept across the reopen");
+        s.enqueue(vec![job("c")], now).await.unwrap();
+        let page = s
+            .jobs(
+                crate::store::JobFilter {
+                    limit: 1,
+                    ..Default::default()
+                },
+                now,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            page.jobs[0].id, "c",
+            "a new job's seq is above the old ones"
+        );
+    }
+
+    #[test]
+    fn keys_sort_in_delivery_order() {
+        use super::{Millis, ready_key};
+        let mut keys = [
+            (ready_key("q", -5, Millis(10), 1), "low"),
+            (ready_key("q", 0, Millis(-3), 9), "zero-early"),
+            (ready_key("q", 0, Millis(20), 2), "zero-late-first"),
+            (ready_key("q", 0, Millis(20), 3), "zero-late-second"),
+            (ready_key("q", 7, Millis(99), 4), "high"),
+        ];
+        keys.sort();
+        let order: Vec<_> = keys.iter().map(|(_, n)| *n).collect();
+        assert_eq!(
+            order,
+            [
+                "high",
+                "zero-early",
+                "zero-late-first",
+                "zero-late-second",
+                "low"
+            ]
+        );
+    }
+}
