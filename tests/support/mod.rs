@@ -123,6 +123,13 @@ impl Daemon {
 
     /// Starts the daemon process and waits for `/healthz`.
     pub async fn start(&mut self) {
+        self.start_within(Duration::from_secs(60)).await;
+    }
+
+    /// Like `start`, waiting up to `limit`: the daemon answers only once it
+    /// has compiled its plugins, which for a big guest on a fresh data_dir
+    /// (no compiled-code cache yet) takes a while.
+    pub async fn start_within(&mut self, limit: Duration) {
         assert!(self.child.is_none(), "already running");
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -139,7 +146,7 @@ impl Daemon {
             .spawn()
             .expect("spawn khata");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + limit;
         loop {
             if let Ok(r) = self.http.get(format!("{}/healthz", self.url)).send().await
                 && r.status().is_success()
@@ -158,7 +165,7 @@ impl Daemon {
             }
             assert!(
                 Instant::now() < deadline,
-                "khata did not answer in 60 s; log:\n{}",
+                "khata did not answer in {limit:?}; log:\n{}",
                 self.log()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
