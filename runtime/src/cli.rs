@@ -197,6 +197,14 @@ pub enum Command {
         #[command(subcommand)]
         command: FenceCommand,
     },
+    /// Prove a handler safe to run twice: run it clean, cut at every crash
+    /// point of every effect and redelivered, and fresh; exit 1 on any finding
+    ///
+    /// Runs in this process on throwaway ledgers; every email and HTTP effect is
+    /// answered by a recorder, so nothing leaves the machine.
+    Verify(VerifyArgs),
+    /// Create a handler project in ./NAME that builds as it is
+    New(NewArgs),
     /// Manage the configured ledger (on the database itself, not through the daemon)
     #[command(subcommand_required = true, arg_required_else_help = true)]
     Store {
@@ -263,6 +271,37 @@ pub struct EnqueueArgs {
 
     #[command(flatten)]
     pub output: OutputArgs,
+}
+
+/// Arguments of `khata verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// The plugin: a `.wasm` component
+    #[arg(value_name = "PLUGIN.wasm")]
+    pub plugin: PathBuf,
+
+    /// The job's payload as JSON
+    #[arg(long, value_name = "JSON", default_value = "{}", value_parser = parse_json)]
+    pub payload: Value,
+
+    /// Take grants, namespace and limits from this queue of the configuration
+    /// file (-c); without it, everything the plugin imports is granted
+    #[arg(long, short = 'q', value_name = "QUEUE")]
+    pub queue: Option<String>,
+
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// Arguments of `khata new`.
+#[derive(Debug, Args)]
+pub struct NewArgs {
+    /// The handler's name: the directory and the crate (letters, digits, `_`, `-`)
+    pub name: String,
+
+    /// The handler's language
+    #[arg(long, value_enum, default_value_t = crate::scaffold::Lang::Rust)]
+    pub lang: crate::scaffold::Lang,
 }
 
 /// The `PAYLOAD_JSON` argument, once clap has checked it.
@@ -401,6 +440,10 @@ impl FenceOutcome {
     }
 }
 
+fn parse_json(arg: &str) -> Result<Value, String> {
+    serde_json::from_str(arg).map_err(|err| format!("not JSON: {err}"))
+}
+
 fn parse_payload(arg: &str) -> Result<PayloadArg, String> {
     if arg == "-" {
         return Ok(PayloadArg::Stdin);
@@ -442,6 +485,54 @@ impl Cli {
             } => {
                 crate::daemon::store_migrate(&global.config_path())?;
                 Ok(ExitCode::SUCCESS)
+            }
+            Command::Verify(args) => {
+                let options = crate::verify::Options {
+                    plugin: args.plugin,
+                    payload: args.payload,
+                    queue: args.queue,
+                    config: global.config_path(),
+                };
+                match crate::verify::verify(&options) {
+                    Ok(report) => {
+                        let out = if args.output.json {
+                            let mut text = serde_json::to_string_pretty(&report)
+                                .context("cannot write the report as JSON")?;
+                            text.push('\n');
+                            text
+                        } else {
+                            report.render()
+                        };
+                        print_stdout(&out)?;
+                        Ok(if report.findings.is_empty() {
+                            ExitCode::SUCCESS
+                        } else {
+                            ExitCode::FAILURE
+                        })
+                    }
+                    Err(crate::verify::VerifyError::Input(msg)) => {
+                        eprintln!("error: {msg}");
+                        Ok(ExitCode::from(2))
+                    }
+                    Err(crate::verify::VerifyError::Failed(msg)) => {
+                        Err(Failure::Failed(anyhow::anyhow!(msg)))
+                    }
+                }
+            }
+            Command::New(args) => {
+                match crate::scaffold::create(Path::new("."), &args.name, args.lang) {
+                    Ok(created) => {
+                        print_stdout(&created.render())?;
+                        Ok(ExitCode::SUCCESS)
+                    }
+                    Err(crate::scaffold::ScaffoldError::Usage(msg)) => {
+                        eprintln!("error: {msg}");
+                        Ok(ExitCode::from(2))
+                    }
+                    Err(crate::scaffold::ScaffoldError::Failed(msg)) => {
+                        Err(Failure::Failed(anyhow::anyhow!(msg)))
+                    }
+                }
             }
             command => {
                 // Read stdin before talking to anyone, so that a bad payload
@@ -626,7 +717,11 @@ async fn run_client(
                 outcome.as_str()
             )
         }
-        Command::Serve | Command::Check | Command::Store { .. } => {
+        Command::Serve
+        | Command::Check
+        | Command::Store { .. }
+        | Command::Verify(_)
+        | Command::New(_) => {
             unreachable!("handled without a client")
         }
     };

@@ -19,6 +19,9 @@
 //! - [`plugins`]: the plugin life cycle: watching `plugins_dir`, loading
 //!   versions by content hash, grant checks at load time.
 //! - [`api`]: the HTTP API (axum): routes, auth, errors, metrics.
+//! - [`verify`]: `khata verify`: a handler run clean, cut at every crash
+//!   point and redelivered, on throwaway ledgers with recorded providers.
+//! - [`scaffold`]: `khata new`: a handler project that builds as it is.
 //! - [`daemon`]: `khata serve` and `khata check`: wiring it all together.
 //! - [`cli`]: the command line and the API client.
 
@@ -31,5 +34,7 @@ pub mod host;
 pub mod job;
 pub mod plugins;
 pub mod queue;
+pub mod scaffold;
 pub mod schedule;
 pub mod store;
+pub mod verify;

@@ -17,11 +17,17 @@
 //! (reconciliation), then by its nature: an idempotent provider is asked
 //! again with the same key; a non-idempotent one follows the queue's
 //! `on_uncertain` policy.
+//!
+//! Under `khata verify` ([`super::recorded`]) a call shows the recorder its
+//! steps: before `fence_begin`, after the provider answered and before
+//! `fence_done`, and after `fence_done`; the recorder may stop the attempt
+//! at any of them. Without a recorder the steps are nothing.
 
 use std::future::Future;
 
 use sha2::{Digest, Sha256};
 
+use super::recorded::Point;
 use super::{EffectError, Effects};
 use crate::config::OnUncertain;
 use crate::job::Millis;
@@ -77,7 +83,7 @@ pub struct Answer {
     pub replayed: bool,
 }
 
-fn fingerprint(kind: &str, canonical: &[u8]) -> Vec<u8> {
+pub(crate) fn fingerprint(kind: &str, canonical: &[u8]) -> Vec<u8> {
     let mut h = Sha256::new();
     h.update(kind.as_bytes());
     h.update([0]);
@@ -107,6 +113,7 @@ pub struct Fenced<'a, E> {
     effects: &'a Effects,
     effect: &'a E,
     id: FenceId,
+    fingerprint: Vec<u8>,
 }
 
 impl<'a, E: Effect + Sync> Fenced<'a, E> {
@@ -117,9 +124,16 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
                 kind: effect.kind().to_owned(),
                 key: key.to_owned(),
             },
+            fingerprint: fingerprint(effect.kind(), &effect.canonical()),
             effects,
             effect,
         }
+    }
+
+    async fn step(&self, point: Point) {
+        self.effects
+            .step(&self.id.kind, &self.id.key, &self.fingerprint, point)
+            .await;
     }
 
     async fn record(&self, outcome: &str) {
@@ -138,11 +152,17 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
 
     /// Runs the call through DESIGN 4's table.
     pub async fn call(&self) -> Result<Answer, EffectError> {
-        let fp = fingerprint(&self.id.kind, &self.effect.canonical());
         let fx = self.effects;
+        self.step(Point::BeforeStarted).await;
         let begun = fx
             .store
-            .fence_begin(&fx.lease, fx.attempt, &self.id, &fp, Millis::now())
+            .fence_begin(
+                &fx.lease,
+                fx.attempt,
+                &self.id,
+                &self.fingerprint,
+                Millis::now(),
+            )
             .await
             .map_err(store_error);
         match begun {
@@ -192,6 +212,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
         failpoint("effect::after_response").await;
         match tried {
             Tried::Done(result) => {
+                self.step(Point::Started).await;
                 fx.store
                     .fence_done(
                         &fx.lease,
@@ -203,6 +224,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
                     .await
                     .map_err(store_error)?;
                 self.record("performed").await;
+                self.step(Point::Done).await;
                 Ok(Answer {
                     result,
                     replayed: false,

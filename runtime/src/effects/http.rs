@@ -174,6 +174,69 @@ impl fmt::Debug for Provider {
     }
 }
 
+/// The checks of [`Provider::validate`] that do not depend on a provider:
+/// method, path, and header names and values (no connection header, no
+/// `Khata-Fencing-Token`). Returns the parsed method and headers.
+pub fn check_request(req: &HttpRequest) -> Result<(Method, HeaderMap), HttpError> {
+    if !METHODS.contains(&req.method.as_str()) {
+        return Err(HttpError::Invalid(format!(
+            "method: {:?} is not one of {}",
+            req.method,
+            METHODS.join(", ")
+        )));
+    }
+    let method = Method::from_bytes(req.method.as_bytes())
+        .map_err(|_| HttpError::Invalid(format!("method: {:?}", req.method)))?;
+    check_path(&req.path).map_err(|e| HttpError::Invalid(format!("path: {e}")))?;
+    let mut headers = HeaderMap::with_capacity(req.headers.len());
+    for (i, (name, value)) in req.headers.iter().enumerate() {
+        let invalid = |why: &str| HttpError::Invalid(format!("headers[{i}] {name:?}: {why}"));
+        let header_name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| invalid("not a valid header name"))?;
+        let lower = header_name.as_str();
+        if CONNECTION_HEADERS.contains(&lower) {
+            return Err(invalid("belongs to the connection; the host sets it"));
+        }
+        if lower == FENCING_TOKEN_HEADER {
+            return Err(invalid("the host sets it to the attempt's fencing token"));
+        }
+        let header_value = HeaderValue::from_str(value)
+            .map_err(|_| invalid("the value is not a valid header value (control characters?)"))?;
+        headers.append(header_name, header_value);
+    }
+    Ok((method, headers))
+}
+
+/// The canonical form of a request to provider `name`, used for the fence
+/// fingerprint: see [`Provider::canonical`].
+pub fn canonical(name: &str, req: &HttpRequest) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct Canonical<'a> {
+        provider: &'a str,
+        method: &'a str,
+        path: &'a str,
+        headers: Vec<(String, &'a str)>,
+        body: Option<String>,
+    }
+    let mut headers: Vec<(String, &str)> = req
+        .headers
+        .iter()
+        .map(|(name, value)| (name.to_ascii_lowercase(), value.as_str()))
+        .collect();
+    headers.sort_by(|a, b| a.0.cmp(&b.0));
+    let canonical = Canonical {
+        provider: name,
+        method: &req.method,
+        path: &req.path,
+        headers,
+        body: req
+            .body
+            .as_ref()
+            .map(|body| base64::engine::general_purpose::STANDARD.encode(body)),
+    };
+    serde_json::to_vec(&canonical).expect("a struct of strings serializes")
+}
+
 impl Provider {
     fn build(name: &str, config: &HttpProvider) -> Result<Provider, String> {
         let key = format!("http.{name}");
@@ -279,31 +342,7 @@ impl Provider {
     /// a stable sort: values of a repeated header keep their order, which is
     /// meaningful.
     pub fn canonical(&self, req: &HttpRequest) -> Vec<u8> {
-        #[derive(serde::Serialize)]
-        struct Canonical<'a> {
-            provider: &'a str,
-            method: &'a str,
-            path: &'a str,
-            headers: Vec<(String, &'a str)>,
-            body: Option<String>,
-        }
-        let mut headers: Vec<(String, &str)> = req
-            .headers
-            .iter()
-            .map(|(name, value)| (name.to_ascii_lowercase(), value.as_str()))
-            .collect();
-        headers.sort_by(|a, b| a.0.cmp(&b.0));
-        let canonical = Canonical {
-            provider: &self.name,
-            method: &req.method,
-            path: &req.path,
-            headers,
-            body: req
-                .body
-                .as_ref()
-                .map(|body| base64::engine::general_purpose::STANDARD.encode(body)),
-        };
-        serde_json::to_vec(&canonical).expect("a struct of strings serializes")
+        canonical(&self.name, req)
     }
 
     /// Sends: URL = base_url joined with path (string concatenation of
@@ -391,28 +430,13 @@ impl Provider {
 
     /// Validates a request and returns its method and its headers, ready to send.
     fn checked_headers(&self, req: &HttpRequest) -> Result<(Method, HeaderMap), HttpError> {
-        if !METHODS.contains(&req.method.as_str()) {
-            return Err(HttpError::Invalid(format!(
-                "method: {:?} is not one of {}",
-                req.method,
-                METHODS.join(", ")
-            )));
-        }
-        let method = Method::from_bytes(req.method.as_bytes())
-            .map_err(|_| HttpError::Invalid(format!("method: {:?}", req.method)))?;
-        check_path(&req.path).map_err(|e| HttpError::Invalid(format!("path: {e}")))?;
-        let mut headers = HeaderMap::with_capacity(req.headers.len());
-        for (i, (name, value)) in req.headers.iter().enumerate() {
+        let (method, headers) = check_request(req)?;
+        for (i, (name, _)) in req.headers.iter().enumerate() {
             let invalid = |why: &str| HttpError::Invalid(format!("headers[{i}] {name:?}: {why}"));
-            let header_name = HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| invalid("not a valid header name"))?;
-            let lower = header_name.as_str();
-            if CONNECTION_HEADERS.contains(&lower) {
-                return Err(invalid("belongs to the connection; the host sets it"));
-            }
-            if lower == FENCING_TOKEN_HEADER {
-                return Err(invalid("the host sets it to the attempt's fencing token"));
-            }
+            // check_request has parsed every name.
+            let Ok(header_name) = HeaderName::from_bytes(name.as_bytes()) else {
+                continue;
+            };
             if self.idempotency_header.as_ref() == Some(&header_name) {
                 return Err(invalid(
                     "the provider's idempotency header; the host sets it to the effect's key",
@@ -421,10 +445,6 @@ impl Provider {
             if self.headers.iter().any(|(n, _)| *n == header_name) {
                 return Err(invalid("configured for the provider; the host sets it"));
             }
-            let header_value = HeaderValue::from_str(value).map_err(|_| {
-                invalid("the value is not a valid header value (control characters?)")
-            })?;
-            headers.append(header_name, header_value);
         }
         Ok((method, headers))
     }

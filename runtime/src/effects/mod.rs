@@ -18,6 +18,7 @@
 pub mod email;
 pub mod fenced;
 pub mod http;
+pub mod recorded;
 
 use std::sync::{Arc, Mutex};
 
@@ -28,6 +29,7 @@ use crate::store::{EffectRecord, Store, StoreError, UpsertOutcome};
 use email::{Mail, Mailer, SendError};
 use fenced::{Effect, Fenced, Reconciled, Tried};
 use http::{HttpError, HttpRequest, HttpResponse, Provider, Providers};
+use recorded::{Point, Recorder, Step};
 
 /// Largest kv key or index id, in bytes.
 pub const MAX_KEY: usize = 1024;
@@ -119,6 +121,9 @@ pub struct Effects {
     lease: LeaseRef,
     attempt: u32,
     dead: DeadLetter,
+    /// Set only by [`Effects::recorded`] (`khata verify`): external effects
+    /// go to it instead of the providers.
+    recorder: Option<Arc<dyn Recorder>>,
 }
 
 impl std::fmt::Debug for Effects {
@@ -161,7 +166,75 @@ impl Effects {
             lease,
             attempt,
             dead: DeadLetter::default(),
+            recorder: None,
         }
+    }
+
+    /// The effects of an attempt run by `khata verify`: the same checks and
+    /// fences on `store`, but every email and HTTP effect is answered by
+    /// `recorder` (nothing leaves the host), which also sees every step and
+    /// may stop the attempt at one. See [`recorded`].
+    pub fn recorded(
+        store: Arc<dyn Store>,
+        scope: Arc<Scope>,
+        lease: LeaseRef,
+        attempt: u32,
+        recorder: Arc<dyn Recorder>,
+    ) -> Effects {
+        let mut effects = Effects::new(store, scope, lease, attempt);
+        effects.recorder = Some(recorder);
+        effects
+    }
+
+    fn grants_everything(&self) -> bool {
+        self.recorder
+            .as_ref()
+            .is_some_and(|r| r.grants_everything())
+    }
+
+    /// Shows a step to the recorder, if any. When it asks to stop there, the
+    /// call never returns: the recorder's owner drops the attempt.
+    async fn step(&self, kind: &str, key: &str, fingerprint: &[u8], point: Point) {
+        let Some(recorder) = &self.recorder else {
+            return;
+        };
+        let step = Step {
+            kind,
+            key,
+            fingerprint,
+            point,
+        };
+        if recorder.stop_at(&step) {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Runs an embedded write between the recorder's `before started` and
+    /// `done` steps; without a recorder it is just `write`.
+    async fn embedded<T>(
+        &self,
+        kind: &str,
+        key: &str,
+        request: &[u8],
+        write: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, EffectError> {
+        if self.recorder.is_none() {
+            return Ok(write.await?);
+        }
+        let fingerprint = fenced::fingerprint(kind, request);
+        self.step(kind, key, &fingerprint, Point::BeforeStarted)
+            .await;
+        let result = write.await.map_err(EffectError::from);
+        if let Some(recorder) = &self.recorder {
+            let outcome = match &result {
+                Ok(_) => "applied".to_owned(),
+                Err(e) => format!("refused:{}", e.reason()),
+            };
+            recorder.outcome(kind, key, &outcome);
+        }
+        let result = result?;
+        self.step(kind, key, &fingerprint, Point::Done).await;
+        Ok(result)
     }
 
     /// The flag an effect sets to dead-letter the job (see [`DeadLetter`]).
@@ -172,6 +245,9 @@ impl Effects {
     /// Records an external effect on the attempt (`performed`, `replayed`,
     /// `refused:<reason>`, ...) and counts it.
     async fn record(&self, kind: &str, key: &str, outcome: &str) {
+        if let Some(recorder) = &self.recorder {
+            recorder.outcome(kind, key, outcome);
+        }
         metrics::counter!("khata_effects_total", "kind" => kind.to_owned(), "outcome" => outcome.to_owned())
             .increment(1);
         let record = EffectRecord {
@@ -204,7 +280,7 @@ impl Effects {
     }
 
     fn kv_granted(&self) -> Result<(), EffectError> {
-        if self.grants.kv {
+        if self.grants.kv || self.grants_everything() {
             Ok(())
         } else {
             Err(EffectError::Denied(format!(
@@ -215,7 +291,7 @@ impl Effects {
     }
 
     fn index_granted(&self, collection: &str) -> Result<(), EffectError> {
-        if self.grants.index.iter().any(|c| c == collection) {
+        if self.grants.index.iter().any(|c| c == collection) || self.grants_everything() {
             Ok(())
         } else {
             Err(EffectError::Denied(format!(
@@ -235,10 +311,14 @@ impl Effects {
         self.kv_granted()?;
         check_key("a kv key", key)?;
         check_value("a kv value", value.len())?;
-        Ok(self
-            .store
-            .kv_put(&self.lease, &self.namespace, key, value)
-            .await?)
+        let request = [key.as_bytes(), &[0], &value].concat();
+        self.embedded(
+            "kv",
+            key,
+            &request,
+            self.store.kv_put(&self.lease, &self.namespace, key, value),
+        )
+        .await
     }
 
     pub async fn kv_insert_if_absent(
@@ -249,19 +329,28 @@ impl Effects {
         self.kv_granted()?;
         check_key("a kv key", key)?;
         check_value("a kv value", value.len())?;
-        Ok(self
-            .store
-            .kv_insert_if_absent(&self.lease, &self.namespace, key, value)
-            .await?)
+        let request = [b"insert-if-absent\0", key.as_bytes(), &[0], &value].concat();
+        self.embedded(
+            "kv",
+            key,
+            &request,
+            self.store
+                .kv_insert_if_absent(&self.lease, &self.namespace, key, value),
+        )
+        .await
     }
 
     pub async fn kv_delete(&self, key: &str) -> Result<bool, EffectError> {
         self.kv_granted()?;
         check_key("a kv key", key)?;
-        Ok(self
-            .store
-            .kv_delete(&self.lease, &self.namespace, key)
-            .await?)
+        let request = [b"delete\0", key.as_bytes()].concat();
+        self.embedded(
+            "kv",
+            key,
+            &request,
+            self.store.kv_delete(&self.lease, &self.namespace, key),
+        )
+        .await
     }
 
     pub async fn index_upsert(
@@ -274,17 +363,22 @@ impl Effects {
         self.index_granted(collection)?;
         check_key("a document id", id)?;
         check_value("a document", document.len())?;
-        Ok(self
-            .store
-            .index_upsert(
+        let key = format!("{collection}/{id}");
+        let request = format!("{key}\0{version}\0{document}");
+        self.embedded(
+            "index",
+            &key,
+            request.as_bytes(),
+            self.store.index_upsert(
                 &self.lease,
                 collection,
                 id,
                 document,
                 version,
                 Millis::now(),
-            )
-            .await?)
+            ),
+        )
+        .await
     }
 
     pub async fn index_remove(
@@ -295,10 +389,16 @@ impl Effects {
     ) -> Result<bool, EffectError> {
         self.index_granted(collection)?;
         check_key("a document id", id)?;
-        Ok(self
-            .store
-            .index_remove(&self.lease, collection, id, version, Millis::now())
-            .await?)
+        let key = format!("{collection}/{id}");
+        let request = format!("remove\0{key}\0{version}");
+        self.embedded(
+            "index",
+            &key,
+            request.as_bytes(),
+            self.store
+                .index_remove(&self.lease, collection, id, version, Millis::now()),
+        )
+        .await
     }
 
     pub async fn index_get(
@@ -323,24 +423,42 @@ impl Effects {
         };
         let from = mail.from.as_deref().unwrap_or(&self.scope.email_from);
         let message_id = email::message_id(&self.namespace, key, from);
-        let effect = EmailEffect {
-            mailer,
-            mail: &mail,
-            message_id: &message_id,
+        let answer = match (mailer, &self.recorder) {
+            (Some(mailer), _) => {
+                let effect = EmailEffect {
+                    mailer,
+                    mail: &mail,
+                    message_id: &message_id,
+                };
+                Fenced::new(self, &effect, key).call().await?
+            }
+            (None, recorder) => {
+                let effect = RecordedEffect {
+                    recorder: recorder.as_deref(),
+                    kind: "email",
+                    key,
+                    canonical: serde_json::to_vec(&mail).unwrap_or_default(),
+                    answer: message_id.as_bytes().to_vec(),
+                };
+                Fenced::new(self, &effect, key).call().await?
+            }
         };
-        let answer = Fenced::new(self, &effect, key).call().await?;
         Ok((message_id, answer.replayed))
     }
 
-    fn email_checks(&self, key: &str) -> Result<&Mailer, EffectError> {
-        if !self.grants.email {
+    /// The mailer to send through; `None` when a recorder takes the message.
+    fn email_checks(&self, key: &str) -> Result<Option<&Mailer>, EffectError> {
+        if !self.grants.email && !self.grants_everything() {
             return Err(EffectError::Denied(format!(
                 "queue {:?} is not granted email (grants = {{ email = true }})",
                 self.queue
             )));
         }
         check_key("an email key", key)?;
-        self.scope.mailer.as_deref().map_err(|e| {
+        if self.recorder.is_some() {
+            return Ok(None);
+        }
+        self.scope.mailer.as_deref().map(Some).map_err(|e| {
             EffectError::Transient(format!("the email transport is not available: {e}"))
         })
     }
@@ -349,19 +467,34 @@ impl Effects {
     pub async fn http_send(
         &self,
         key: &str,
-        provider: &str,
+        provider_name: &str,
         request: HttpRequest,
     ) -> Result<(HttpResponse, bool), EffectError> {
-        let provider = match self.http_checks(key, provider, &request) {
+        let provider = match self.http_checks(key, provider_name, &request) {
             Ok(p) => p,
             Err(e) => return Err(self.refused("http", key, e).await),
         };
-        let effect = HttpEffect {
-            provider,
-            key,
-            request: &request,
+        let answer = match (provider, &self.recorder) {
+            (Some(provider), _) => {
+                let effect = HttpEffect {
+                    provider,
+                    key,
+                    request: &request,
+                };
+                Fenced::new(self, &effect, key).call().await?
+            }
+            (None, recorder) => {
+                let answer = recorded::http_answer(provider_name, key);
+                let effect = RecordedEffect {
+                    recorder: recorder.as_deref(),
+                    kind: "http",
+                    key,
+                    canonical: http_canonical(provider_name, &request),
+                    answer: serde_json::to_vec(&answer).unwrap_or_default(),
+                };
+                Fenced::new(self, &effect, key).call().await?
+            }
         };
-        let answer = Fenced::new(self, &effect, key).call().await?;
         let response = if answer.result == RESOLVED_BY_OPERATOR {
             HttpResponse {
                 status: 204,
@@ -379,27 +512,82 @@ impl Effects {
     }
 }
 
+/// The canonical form of an HTTP effect: the provider's name, then the
+/// request as [`http::canonical`] writes it.
+fn http_canonical(provider: &str, request: &HttpRequest) -> Vec<u8> {
+    let mut c = provider.as_bytes().to_vec();
+    c.push(0);
+    c.extend(http::canonical(provider, request));
+    c
+}
+
 impl Effects {
+    /// The provider to send through; `None` when a recorder takes the
+    /// request (the provider need not be configured then).
     fn http_checks(
         &self,
         key: &str,
         provider: &str,
         request: &HttpRequest,
-    ) -> Result<&Provider, EffectError> {
-        if !self.grants.http.iter().any(|p| p == provider) {
+    ) -> Result<Option<&Provider>, EffectError> {
+        if !self.grants.http.iter().any(|p| p == provider) && !self.grants_everything() {
             return Err(EffectError::Denied(format!(
                 "queue {:?} is not granted http provider {provider:?} (grants = {{ http = [{provider:?}] }})",
                 self.queue
             )));
         }
         check_key("an http key", key)?;
+        if self.recorder.is_some() {
+            http::check_request(request).map_err(|e| EffectError::Invalid(e.to_string()))?;
+            return Ok(None);
+        }
         let provider = self.scope.providers.get(provider).ok_or_else(|| {
             EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
         })?;
         provider
             .validate(request)
             .map_err(|e| EffectError::Invalid(e.to_string()))?;
-        Ok(provider)
+        Ok(Some(provider))
+    }
+}
+
+/// An external effect answered by a [`Recorder`] instead of its provider.
+struct RecordedEffect<'a> {
+    recorder: Option<&'a dyn Recorder>,
+    kind: &'static str,
+    key: &'a str,
+    canonical: Vec<u8>,
+    /// The result the provider would give: recorded and replayed.
+    answer: Vec<u8>,
+}
+
+impl Effect for RecordedEffect<'_> {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    fn canonical(&self) -> Vec<u8> {
+        self.canonical.clone()
+    }
+
+    /// The recorder reconciles exactly, so its nature never decides.
+    fn idempotent(&self) -> bool {
+        true
+    }
+
+    async fn perform(&self, _fencing_token: u64) -> Tried {
+        if let Some(r) = self.recorder {
+            let fingerprint = fenced::fingerprint(self.kind, &self.canonical);
+            r.deliver(self.kind, self.key, &fingerprint, &self.answer);
+        }
+        Tried::Done(self.answer.clone())
+    }
+
+    async fn reconcile(&self, _fencing_token: u64) -> Reconciled {
+        match self.recorder.and_then(|r| r.lookup(self.kind, self.key)) {
+            Some(answer) => Reconciled::Happened(answer),
+            None => Reconciled::NotHappened,
+        }
     }
 }
 
@@ -460,10 +648,7 @@ impl Effect for HttpEffect<'_> {
     }
 
     fn canonical(&self) -> Vec<u8> {
-        let mut c = self.provider.name().as_bytes().to_vec();
-        c.push(0);
-        c.extend(self.provider.canonical(self.request));
-        c
+        http_canonical(self.provider.name(), self.request)
     }
 
     fn idempotent(&self) -> bool {

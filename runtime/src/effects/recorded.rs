@@ -1,0 +1,95 @@
+//! The stand-in for the outside world that `khata verify` runs a handler
+//! against (see `crate::verify`).
+//!
+//! An [`Effects`](super::Effects) built with
+//! [`Effects::recorded`](super::Effects::recorded) sends no email and no
+//! HTTP request: every external effect is answered by a [`Recorder`], which
+//! notes it and returns a plausible success. The fence protocol around it is
+//! the daemon's own, on a real store. The recorder also sees every step of
+//! the attempt and may stop it at one, as a crash would.
+//!
+//! Only [`Effects::recorded`](super::Effects::recorded) installs a recorder;
+//! [`Effects::new`](super::Effects::new), which the daemon uses, never does,
+//! so nothing here is reachable from a daemon's attempt.
+
+use sha2::{Digest, Sha256};
+
+use super::http::HttpResponse;
+
+/// Where in one effect a step is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Point {
+    /// The handler asked for the effect; nothing is in the ledger yet.
+    BeforeStarted,
+    /// External effects only: the fence is `started` and the provider has
+    /// received the request, but its result is not recorded (`done`) yet.
+    Started,
+    /// The effect is recorded: the fence is `done`, or the kv/index step is
+    /// applied.
+    Done,
+}
+
+impl Point {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Point::BeforeStarted => "before started",
+            Point::Started => "between started and done",
+            Point::Done => "after done",
+        }
+    }
+}
+
+/// One step of an effect, as the recorder sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Step<'a> {
+    /// `email`, `http`, `kv` or `index`.
+    pub kind: &'a str,
+    /// The effect's key (for kv, the kv key; for index, `collection/id`).
+    pub key: &'a str,
+    /// The fingerprint of the request (DESIGN 4), or of the write for kv and index.
+    pub fingerprint: &'a [u8],
+    pub point: Point,
+}
+
+/// Answers external effects in place of their providers and watches the
+/// steps of one attempt.
+pub trait Recorder: Send + Sync {
+    /// Whether every kv collection, index collection, email and HTTP
+    /// provider counts as granted (instead of the queue's grants).
+    fn grants_everything(&self) -> bool;
+
+    /// Takes an external effect in place of its provider: notes it and keeps
+    /// `answer` as its result, for [`Recorder::lookup`].
+    fn deliver(&self, kind: &str, key: &str, fingerprint: &[u8], answer: &[u8]);
+
+    /// Reconciliation: the answer given for this key, if it was delivered.
+    fn lookup(&self, kind: &str, key: &str) -> Option<Vec<u8>>;
+
+    /// Called at every step. `true` stops the attempt there: the effect call
+    /// never returns, and whoever runs the attempt drops it, leaving the
+    /// ledger as a crash at that point would.
+    fn stop_at(&self, step: &Step<'_>) -> bool;
+
+    /// How a call ended: `performed`, `replayed`, `reconciled:done`,
+    /// `refused:<reason>`, or `applied` for kv and index writes.
+    fn outcome(&self, kind: &str, key: &str, outcome: &str);
+}
+
+/// The response a recorder gives to an HTTP effect: `200` with a JSON body
+/// naming a charge-like object derived from the provider and key only, so
+/// that every run receives the same bytes for the same key.
+pub fn http_answer(provider: &str, key: &str) -> HttpResponse {
+    let mut h = Sha256::new();
+    h.update(provider.as_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    let id = format!("rec_{}", &hex::encode(h.finalize())[..16]);
+    HttpResponse {
+        status: 200,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: serde_json::json!({ "id": id, "status": "succeeded", "recorded": true })
+            .to_string()
+            .into_bytes(),
+    }
+}
