@@ -221,6 +221,66 @@ pub enum StoreCommand {
     /// `khata serve` applies them too when it starts; this does it ahead of
     /// time, for example before starting daemons on a new PostgreSQL database.
     Migrate,
+    /// Copy a ledger, fences and all, into an empty one; verify; print a summary
+    ///
+    /// SOURCE and TARGET are each a jobs.toml (the ledger its [store] and
+    /// data_dir name), a data directory (a SQLite ledger), or a PostgreSQL
+    /// URL (postgres://...). --from-env and --to-env name an environment
+    /// variable that holds the URL instead, so that a password stays off the
+    /// command line.
+    ///
+    /// The source's lock is taken (a SQLite ledger a daemon uses is refused),
+    /// and jobs a crash left active are recovered first, as the daemon's start
+    /// would; a PostgreSQL source with active jobs is refused. The target
+    /// must be empty. Jobs with their attempts and effects, dedup keys,
+    /// fences (state, fingerprint, recorded result), kv entries and index
+    /// documents are copied, and the fencing token and enqueue sequence go on
+    /// from the source's. Exit 1 when anything is refused or the two sides
+    /// differ at the end.
+    Copy(CopyArgs),
+}
+
+/// Arguments of `khata store copy`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["from", "from_env"])))]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["to", "to_env"])))]
+pub struct CopyArgs {
+    /// The ledger to copy: a jobs.toml, a data directory or a PostgreSQL URL
+    #[arg(long, value_name = "SOURCE")]
+    pub from: Option<String>,
+
+    /// An environment variable holding the source's PostgreSQL URL
+    #[arg(long, value_name = "VAR")]
+    pub from_env: Option<String>,
+
+    /// The empty ledger to copy into: a jobs.toml, a data directory or a PostgreSQL URL
+    #[arg(long, value_name = "TARGET")]
+    pub to: Option<String>,
+
+    /// An environment variable holding the target's PostgreSQL URL
+    #[arg(long, value_name = "VAR")]
+    pub to_env: Option<String>,
+
+    /// Records read and written per step
+    #[arg(long, value_name = "N", default_value_t = 500,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub page: u32,
+}
+
+impl CopyArgs {
+    /// The two ledgers, `from` and `to`.
+    fn ledgers(&self) -> anyhow::Result<(crate::daemon::LedgerAt, crate::daemon::LedgerAt)> {
+        use crate::daemon::LedgerAt;
+        let side = |arg: &Option<String>, env: &Option<String>, flag: &str| match (arg, env) {
+            (Some(a), _) => Ok(LedgerAt::parse(a, flag)),
+            (None, Some(var)) => LedgerAt::from_env(var, &format!("{flag}-env")),
+            (None, None) => anyhow::bail!("{flag} or {flag}-env is required"),
+        };
+        Ok((
+            side(&self.from, &self.from_env, "--from")?,
+            side(&self.to, &self.to_env, "--to")?,
+        ))
+    }
 }
 
 /// `--json`, shared by the commands that print an API answer.
@@ -533,6 +593,13 @@ impl Cli {
                         Err(Failure::Failed(anyhow::anyhow!(msg)))
                     }
                 }
+            }
+            Command::Store {
+                command: StoreCommand::Copy(args),
+            } => {
+                let (from, to) = args.ledgers()?;
+                crate::daemon::store_copy(&from, &to, args.page)?;
+                Ok(ExitCode::SUCCESS)
             }
             command => {
                 // Read stdin before talking to anyone, so that a bad payload
@@ -1564,6 +1631,49 @@ mod tests {
         ));
         assert_eq!(cli.global.config_path(), PathBuf::from("x.toml"));
         assert!(parse(&["store"]).is_err(), "a store subcommand is required");
+    }
+
+    #[test]
+    fn store_copy_takes_one_source_and_one_target() {
+        use crate::daemon::LedgerAt;
+        let cli = parse(&["store", "copy", "--from", "data", "--to-env", "PG_URL"]).unwrap();
+        let Command::Store {
+            command: StoreCommand::Copy(args),
+        } = cli.command
+        else {
+            panic!("not store copy: {:?}", cli.command);
+        };
+        assert_eq!(args.page, 500);
+        assert_eq!(
+            LedgerAt::parse(args.from.as_deref().unwrap(), "--from"),
+            LedgerAt::DataDir(PathBuf::from("data"))
+        );
+        assert_eq!(args.to_env.as_deref(), Some("PG_URL"));
+        assert!(matches!(
+            LedgerAt::parse("postgres://u:p@h/db", "--to"),
+            LedgerAt::Postgres { named, .. } if named == "the URL of --to"
+        ));
+        assert_eq!(
+            LedgerAt::parse("/etc/khata/jobs.toml", "--to"),
+            LedgerAt::Config(PathBuf::from("/etc/khata/jobs.toml"))
+        );
+        for bad in [
+            &["store", "copy", "--from", "a"][..],
+            &["store", "copy", "--to", "b"],
+            &[
+                "store",
+                "copy",
+                "--from",
+                "a",
+                "--from-env",
+                "X",
+                "--to",
+                "b",
+            ],
+            &["store", "copy", "--from", "a", "--to", "b", "--page", "0"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} is a usage error");
+        }
     }
 
     #[test]

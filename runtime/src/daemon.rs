@@ -17,7 +17,7 @@
 //! can give, is refused with its errors logged, and the running
 //! configuration stays.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -209,6 +209,201 @@ pub fn store_migrate(config_path: &Path) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Where `khata store copy` finds a ledger.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LedgerAt {
+    /// The ledger a jobs.toml configures (`[store]`, `[daemon] data_dir`).
+    Config(PathBuf),
+    /// The data directory of a SQLite ledger (`khata.db`).
+    DataDir(PathBuf),
+    /// A PostgreSQL database. `named` says where the URL came from, for
+    /// messages that must not repeat it (it may hold a password).
+    Postgres { url: String, named: String },
+}
+
+impl LedgerAt {
+    /// `postgres://` or `postgresql://` is a URL; an existing file, or a
+    /// name ending in `.toml`, a jobs.toml; anything else a data directory.
+    pub fn parse(arg: &str, flag: &str) -> LedgerAt {
+        if arg.starts_with("postgres://") || arg.starts_with("postgresql://") {
+            return LedgerAt::Postgres {
+                url: arg.to_owned(),
+                named: format!("the URL of {flag}"),
+            };
+        }
+        let path = PathBuf::from(arg);
+        if path.is_file() || arg.ends_with(".toml") {
+            LedgerAt::Config(path)
+        } else {
+            LedgerAt::DataDir(path)
+        }
+    }
+
+    /// The PostgreSQL URL (or key-value string) in the environment variable `var`.
+    pub fn from_env(var: &str, flag: &str) -> anyhow::Result<LedgerAt> {
+        match std::env::var(var) {
+            Ok(url) if !url.trim().is_empty() => Ok(LedgerAt::Postgres {
+                url,
+                named: format!("${var}"),
+            }),
+            Ok(_) => anyhow::bail!("{flag} {var}: the environment variable is empty"),
+            Err(std::env::VarError::NotPresent) => {
+                anyhow::bail!("{flag} {var}: the environment variable is not set")
+            }
+            Err(std::env::VarError::NotUnicode(_)) => {
+                anyhow::bail!("{flag} {var}: the environment variable is not valid UTF-8")
+            }
+        }
+    }
+}
+
+/// A ledger's backend and address, once a jobs.toml is read.
+enum Located {
+    Sqlite(PathBuf),
+    Postgres { url: String, named: String },
+}
+
+fn locate(at: &LedgerAt, flag: &str) -> anyhow::Result<Located> {
+    Ok(match at {
+        LedgerAt::DataDir(dir) => Located::Sqlite(dir.clone()),
+        LedgerAt::Postgres { url, named } => Located::Postgres {
+            url: url.clone(),
+            named: named.clone(),
+        },
+        LedgerAt::Config(path) => {
+            let config = Config::load(path).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+            match config.store.backend {
+                Backend::Sled => anyhow::bail!(
+                    "{flag}: {}: store.backend = \"sled\": khata store copy moves SQLite and PostgreSQL ledgers; a sled ledger cannot be copied yet",
+                    path.display()
+                ),
+                Backend::Postgres => Located::Postgres {
+                    url: postgres_url(&config).with_context(|| flag.to_owned())?,
+                    named: format!("store.url of {}", path.display()),
+                },
+                Backend::Sqlite => Located::Sqlite(config.daemon.data_dir.clone()),
+            }
+        }
+    })
+}
+
+/// Opens one side of a copy; `source` takes the extra care a source needs.
+/// Returns the store and its name for the summary.
+async fn open_for_copy(
+    at: &Located,
+    flag: &str,
+    source: bool,
+) -> anyhow::Result<(Arc<dyn Store>, String)> {
+    Ok(match at {
+        Located::Sqlite(dir) => {
+            let db = dir.join("khata.db");
+            if source && !db.is_file() {
+                anyhow::bail!(
+                    "{flag} {}: there is no ledger there ({} does not exist)",
+                    dir.display(),
+                    db.display()
+                );
+            }
+            // Taking the lock refuses while a daemon uses the directory.
+            let store = SqliteStore::open(dir).with_context(|| {
+                format!(
+                    "{flag} {}: cannot open the ledger; stop the daemon that uses it first",
+                    dir.display()
+                )
+            })?;
+            let name = format!("sqlite {}", store.path().display());
+            (Arc::new(store), name)
+        }
+        Located::Postgres { url, named } => {
+            let store = PostgresStore::open(url, 4)
+                .await
+                .with_context(|| format!("{flag} ({named}): cannot open the PostgreSQL ledger"))?;
+            let name = format!("postgres {}", store.target());
+            (Arc::new(store), name)
+        }
+    })
+}
+
+/// `khata store copy`: copies the ledger at `from` into the empty ledger at
+/// `to`, `page` records at a time, verifies that both hold the same and
+/// prints a summary. Each page is durable in the target when it is
+/// written; a copy that fails part-way leaves a target that a later copy
+/// refuses as not empty (start again from an empty one).
+pub fn store_copy(from: &LedgerAt, to: &LedgerAt, page: u32) -> anyhow::Result<()> {
+    let source = locate(from, "--from")?;
+    let target = locate(to, "--to")?;
+    let same = match (&source, &target) {
+        (Located::Sqlite(a), Located::Sqlite(b)) => {
+            std::path::absolute(a).ok() == std::path::absolute(b).ok()
+                || (a.exists() && std::fs::canonicalize(a).ok() == std::fs::canonicalize(b).ok())
+        }
+        (Located::Postgres { url: a, .. }, Located::Postgres { url: b, .. }) => a == b,
+        _ => false,
+    };
+    if same {
+        anyhow::bail!("--from and --to name the same ledger");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let (from_store, from_name) = open_for_copy(&source, "--from", true).await?;
+        match &source {
+            // As the daemon's start would: an attempt a crash left running is
+            // closed as abandoned, its job waiting again (or dead).
+            Located::Sqlite(_) => {
+                let recovered = from_store.recover(Millis::now()).await?;
+                if recovered > 0 {
+                    eprintln!(
+                        "recovered {recovered} jobs of {from_name} whose attempts a crash left running"
+                    );
+                }
+            }
+            Located::Postgres { named, .. } => {
+                let active: u64 = from_store
+                    .counts(Millis::now())
+                    .await?
+                    .iter()
+                    .map(|(_, c)| c.active)
+                    .sum();
+                if active > 0 {
+                    anyhow::bail!(
+                        "--from ({named}): {active} jobs are active in {from_name}; stop the daemons \
+                         that use it first (a daemon's next start recovers jobs that a crash left active)"
+                    );
+                }
+            }
+        }
+        let (to_store, to_name) = open_for_copy(&target, "--to", false).await?;
+        let mut reported = 0u64;
+        let copied = crate::store::copy::copy(&*from_store, &*to_store, page, |n| {
+            if n >= reported + 10_000 {
+                reported = n;
+                eprintln!("{n} records copied");
+            }
+        })
+        .await;
+        let copied = match copied {
+            Ok(c) => c,
+            Err(crate::store::copy::CopyError::TargetNotEmpty(what)) => anyhow::bail!(
+                "--to: {to_name} is not empty (it holds {what}); a copy only goes into an empty \
+                 ledger, and nothing was written"
+            ),
+            Err(e) => return Err(anyhow::Error::new(e).context(format!(
+                "copying {from_name} to {to_name}"
+            ))),
+        };
+        println!("copied {from_name} to {to_name}");
+        println!("{}", copied.target);
+        println!(
+            "verified: both hold the same jobs (by state), attempts, effects, dedup keys, \
+             fences (by state), kv entries and index documents, with equal contents; \
+             the target's counters are no lower than the source's"
+        );
+        Ok(())
+    })
 }
 
 /// Builds the email transport and HTTP providers. A bad provider stops the

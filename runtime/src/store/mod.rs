@@ -17,6 +17,7 @@
 //! clock can be injected.
 
 pub mod conformance;
+pub mod copy;
 pub mod postgres;
 pub mod sled;
 pub mod sqlite;
@@ -391,4 +392,31 @@ pub trait Store: Send + Sync + 'static {
     async fn record_effect(&self, job_id: &str, record: EffectRecord) -> Result<(), StoreError>;
     /// The effects recorded for a job, in order. Committed state.
     async fn effects(&self, job_id: &str) -> Result<Vec<EffectRecord>, StoreError>;
+
+    // Moving a ledger (`copy`). A backend that does not implement these
+    // cannot be the source or the target of `khata store copy`.
+
+    /// Up to `limit` records of the ledger from `cursor` (`None`: the
+    /// start) in [`copy::Section`] order, and where the next page starts
+    /// (`None` after the counters, the last record). Committed state; each
+    /// page is read in one snapshot, and the pages are consistent with one
+    /// another only while nothing writes to the ledger.
+    async fn export(
+        &self,
+        cursor: Option<copy::Cursor>,
+        limit: u32,
+    ) -> Result<copy::ExportPage, StoreError> {
+        let _ = (cursor, limit);
+        Err(copy::unsupported("export"))
+    }
+
+    /// Writes `records` (pages of another ledger's export, in export order)
+    /// into this ledger, all or none, refusing a record whose key is already
+    /// there; advances the fencing token and the enqueue sequence past every
+    /// one the records hold, so that neither is ever issued twice. For a
+    /// copy into an empty ledger: it does not merge. **Durable.**
+    async fn import(&self, records: Vec<copy::Record>) -> Result<(), StoreError> {
+        let _ = records;
+        Err(copy::unsupported("import"))
+    }
 }
