@@ -16,7 +16,8 @@ const BATCHES: usize = 10;
 const BATCH: usize = 100;
 
 fn config() -> &'static str {
-    "[store]\nbackend = \"postgres\"\nurl = { env = \"KHATA_DATABASE_URL\" }\npool = 8\n\n\
+    "[store]\nbackend = \"postgres\"\nurl = { env = \"KHATA_DATABASE_URL\" }\npool = 8\n\
+     lease = \"2s\"\nheartbeat = \"500ms\"\n\n\
      [queues.echo]\nplugin = \"echo\"\nconcurrency = 8\n"
 }
 

@@ -1,9 +1,10 @@
 //! `khata serve` and `khata check`: the wiring of config, store, host,
 //! queues and API.
 //!
-//! Start-up order: read jobs.toml, open the ledger (SQLite in `data_dir`, or
-//! PostgreSQL at `store.url`; migrating it and taking its lock), recover
-//! the attempts a crash left active, watch `plugins_dir` and load plugins
+//! Start-up order: read jobs.toml, open the ledger (SQLite in `data_dir`,
+//! migrating it and taking its lock; or PostgreSQL at `store.url`,
+//! migrating it and registering this daemon), recover the attempts a crash
+//! left active (on PostgreSQL: those whose lease expired), watch `plugins_dir` and load plugins
 //! (compiled code comes from the cache in `data_dir/code-cache` when it can),
 //! start the dispatchers, listen. Shutdown (SIGTERM, SIGINT): stop listening
 //! and leasing, give the attempts in flight `shutdown_grace`, interrupt the
@@ -139,10 +140,21 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     Ok(match config.store.backend {
         Backend::Postgres => {
             let url = postgres_url(config)?;
-            let store = PostgresStore::open(&url, config.store.pool as usize)
-                .await
-                .context("opening the PostgreSQL ledger (store.url)")?;
-            tracing::info!(database = %store.target(), pool = config.store.pool, "the ledger is in PostgreSQL");
+            let store = PostgresStore::open_with_lease(
+                &url,
+                config.store.pool as usize,
+                config.store.lease,
+            )
+            .await
+            .context("opening the PostgreSQL ledger (store.url)")?;
+            tracing::info!(
+                database = %store.target(),
+                pool = config.store.pool,
+                daemon_id = %store.daemon_id(),
+                lease = %humantime::format_duration(config.store.lease),
+                heartbeat = %humantime::format_duration(config.store.heartbeat),
+                "the ledger is in PostgreSQL; this daemon's id there"
+            );
             Arc::new(store)
         }
         Backend::Sled => {
@@ -438,13 +450,30 @@ async fn run(config: Config) -> anyhow::Result<()> {
         Some(&data_dir.join(CODE_CACHE)),
     )?);
     let outside = outside(&config)?;
-    let queues = Arc::new(Queues::new(
+    let wakeups = store.wakeups();
+    let mut queues = Queues::new(
         Arc::clone(&store),
         Arc::clone(&host),
         clock(),
         config.queues.values().cloned(),
         &outside,
-    ));
+    );
+    if wakeups.is_some() {
+        // Other daemons' enqueues arrive as wake-ups; the poll is the
+        // fallback for one that is lost.
+        queues = queues.with_idle_poll(config.store.lease);
+    }
+    let queues = Arc::new(queues);
+    let shared = if config.store.backend == Backend::Postgres {
+        Some(tokio::spawn(leases(
+            Arc::clone(&store),
+            Arc::clone(&queues),
+            config.store.heartbeat,
+            wakeups,
+        )))
+    } else {
+        None
+    };
     // Watch first, so that a change during the first scan is not missed.
     let watch = Watch::start(&config.daemon.plugins_dir);
     let mut loader = Loader::default();
@@ -540,6 +569,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let _ = server.await;
     let _ = scheduler.await;
     background.abort();
+    if let Some(shared) = shared {
+        shared.abort();
+    }
     tracing::info!("stopped");
     Ok(())
 }
@@ -605,6 +637,82 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = async { if let Some(t) = term.as_mut() { t.recv().await } else { std::future::pending().await } } => {}
         _ = async { if let Some(i) = int.as_mut() { i.recv().await } else { std::future::pending().await } } => {}
+    }
+}
+
+/// The chores of a daemon that shares its store with others: renewing its
+/// leases every `heartbeat` (stopping the attempts whose lease is lost),
+/// reclaiming expired leases as often, and waking queues on other daemons'
+/// enqueues. Off the path of any job: an attempt never waits for them.
+async fn leases(
+    store: Arc<dyn Store>,
+    queues: Arc<Queues>,
+    heartbeat: Duration,
+    wakeups: Option<tokio::sync::mpsc::UnboundedReceiver<String>>,
+) {
+    if let Some(mut rx) = wakeups {
+        let queues = Arc::clone(&queues);
+        tokio::spawn(async move {
+            while let Some(queue) = rx.recv().await {
+                queues.wake(&queue);
+            }
+        });
+    }
+    let reclaimer = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(heartbeat);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                loop {
+                    match store.reclaim_expired(Millis::now()).await {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            metrics::counter!("khata_leases_reclaimed_total").increment(n);
+                            tracing::warn!(
+                                jobs = n,
+                                "reclaimed jobs whose lease expired: their attempts are recorded as abandoned"
+                            );
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "reclaiming expired leases failed; trying again at the next heartbeat");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    };
+    let _reclaimer = AbortOnDrop(reclaimer);
+    let mut tick = tokio::time::interval(heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let started = std::time::Instant::now();
+        match store.heartbeat().await {
+            Ok(lost) => {
+                metrics::histogram!("khata_heartbeat_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                for lease in lost {
+                    metrics::counter!("khata_leases_lost_total").increment(1);
+                    let stopped = queues.lease_lost(&lease);
+                    tracing::warn!(job = %lease.job_id, token = lease.token, stopped, "lease lost (expired before it was renewed): the attempt's effects are refused from now on");
+                }
+            }
+            Err(e) => {
+                metrics::counter!("khata_heartbeat_failures_total").increment(1);
+                tracing::warn!(error = %e, "heartbeat failed: leases not renewed this time");
+            }
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -9,6 +9,9 @@
 //! - An attempt ends exactly one way in the store: `finish` with the
 //!   handler's outcome, or with `Interrupted` when a shutdown stops it. An
 //!   attempt whose job was cancelled meanwhile is fenced and changes nothing.
+//! - An attempt whose lease the store reports lost ([`Queues::lease_lost`],
+//!   from a heartbeat) is stopped; the store refuses its effects and its
+//!   finish already, so stopping it only saves the work.
 //! - A queue whose plugin is missing or refused leases nothing: its jobs wait.
 //! - A configuration reload ([`Queues::reconfigure`]) changes a queue in
 //!   place: attempts in flight keep the settings, scope and plugin they
@@ -33,13 +36,15 @@ use crate::effects::email::Mailer;
 use crate::effects::http::Providers;
 use crate::effects::{Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, RunOutcome};
-use crate::job::{AttemptOutcome, Finish, Lease, Millis};
+use crate::job::{AttemptOutcome, Finish, Lease, LeaseRef, Millis};
 use crate::store::{Store, StoreError};
 
 /// Most jobs leased in one store step.
 const LEASE_BATCH: u32 = 64;
 /// Longest idle wait before a queue looks for due jobs again.
 const IDLE_POLL: Duration = Duration::from_secs(1);
+/// Shortest idle wait.
+const MIN_WAIT: Duration = Duration::from_millis(20);
 /// Log bytes and lines kept per attempt.
 const LOG_BUDGET: usize = 64 * 1024;
 const LOG_LINES: usize = 1024;
@@ -119,6 +124,16 @@ impl Settings {
     }
 }
 
+/// An attempt in flight, as the queue can stop it.
+struct Running {
+    /// Its lease's fencing token.
+    token: u64,
+    /// An operator cancelled the job.
+    cancel: CancellationToken,
+    /// The lease was lost (expired or reclaimed): every effect is refused.
+    lost: CancellationToken,
+}
+
 /// One configured queue at run time.
 pub struct QueueRuntime {
     name: String,
@@ -134,8 +149,8 @@ pub struct QueueRuntime {
     wake: Notify,
     /// Cancelled when a reload removes the queue: it stops leasing.
     retired: CancellationToken,
-    /// Cancel tokens of the attempts running now, by job id.
-    running: Mutex<HashMap<String, CancellationToken>>,
+    /// The attempts running now, by job id.
+    running: Mutex<HashMap<String, Running>>,
 }
 
 impl std::fmt::Debug for QueueRuntime {
@@ -317,6 +332,8 @@ pub struct Queues {
     added_rx: Mutex<Option<mpsc::UnboundedReceiver<Arc<QueueRuntime>>>>,
     /// Completed attempts since start, for the progress line.
     completed: AtomicU64,
+    /// Longest idle wait before a queue looks for due jobs again.
+    idle_poll: Duration,
 }
 
 impl std::fmt::Debug for Queues {
@@ -367,7 +384,16 @@ impl Queues {
             added_tx,
             added_rx: Mutex::new(Some(added_rx)),
             completed: AtomicU64::new(0),
+            idle_poll: IDLE_POLL,
         }
+    }
+
+    /// Sets the longest idle wait of every dispatcher: long where the store
+    /// wakes the queues itself ([`Store::wakeups`]), so that the poll is only
+    /// the fallback for a lost wake-up.
+    pub fn with_idle_poll(mut self, idle_poll: Duration) -> Queues {
+        self.idle_poll = idle_poll.max(Duration::from_millis(10));
+        self
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<QueueRuntime>> {
@@ -455,9 +481,13 @@ impl Queues {
         self.completed.load(Ordering::Relaxed)
     }
 
-    /// Tells a queue that a job may be ready.
+    /// Tells a queue that a job may be ready; `*` tells every queue.
     pub fn wake(&self, queue: &str) {
-        if let Some(q) = self.get(queue) {
+        if queue == "*" {
+            for q in self.list() {
+                q.wake.notify_one();
+            }
+        } else if let Some(q) = self.get(queue) {
             q.wake.notify_one();
         }
     }
@@ -472,10 +502,27 @@ impl Queues {
         crate::effects::fenced::failpoint("queue::before_interrupt").await;
         if let Some(q) = self.get(queue)
             && let Ok(running) = q.running.lock()
-            && let Some(token) = running.get(job_id)
+            && let Some(r) = running.get(job_id)
         {
-            token.cancel();
+            r.cancel.cancel();
         }
+    }
+
+    /// Stops the attempt holding `lease`, which the store reported lost (a
+    /// heartbeat found it expired or taken over): its effects are refused
+    /// already; this ends the handler. False when no such attempt runs here
+    /// (it ended meanwhile).
+    pub fn lease_lost(&self, lease: &LeaseRef) -> bool {
+        for q in self.list() {
+            if let Ok(running) = q.running.lock()
+                && let Some(r) = running.get(&lease.job_id)
+                && r.token == lease.token
+            {
+                r.lost.cancel();
+                return true;
+            }
+        }
+        false
     }
 
     /// Runs every queue's dispatcher (and those a reload adds) until
@@ -576,9 +623,12 @@ impl Queues {
             if leases.is_empty() {
                 drop(first);
                 let wait = match self.store.next_run_at(&name).await {
+                    // A due job that the lease skipped is being leased by
+                    // another daemon: look again shortly, without spinning.
                     Ok(Some(at)) => Duration::from_millis(u64::try_from(at.0 - now.0).unwrap_or(0))
-                        .min(IDLE_POLL),
-                    _ => IDLE_POLL,
+                        .clamp(MIN_WAIT, self.idle_poll.max(MIN_WAIT)),
+                    Ok(None) => self.idle_poll,
+                    Err(_) => IDLE_POLL,
                 };
                 tokio::select! {
                     () = q.wake.notified() => {}
@@ -640,9 +690,16 @@ impl Queues {
     ) {
         let Settings { config: cfg, scope } = q.settings();
         let cfg = &*cfg;
-        let cancel = CancellationToken::new();
+        let (cancel, lost) = (CancellationToken::new(), CancellationToken::new());
         if let Ok(mut running) = q.running.lock() {
-            running.insert(lease.job_id.clone(), cancel.clone());
+            running.insert(
+                lease.job_id.clone(),
+                Running {
+                    token: lease.token,
+                    cancel: cancel.clone(),
+                    lost: lost.clone(),
+                },
+            );
         }
         let effects = Effects::new(Arc::clone(&self.store), scope, lease.fence(), lease.attempt);
         let dead_letter = effects.dead_letter_flag();
@@ -666,10 +723,15 @@ impl Queues {
         let ended = tokio::select! {
             out = run => Ended::Ran(out),
             () = cancel.cancelled() => Ended::Cancelled,
+            () = lost.cancelled() => Ended::LeaseLost,
             () = interrupt.cancelled() => Ended::Interrupted,
         };
         drop(permit);
-        if let Ok(mut running) = q.running.lock() {
+        if let Ok(mut running) = q.running.lock()
+            && running
+                .get(&lease.job_id)
+                .is_some_and(|r| r.token == lease.token)
+        {
             running.remove(&lease.job_id);
         }
         let now = self.clock.now();
@@ -702,6 +764,11 @@ impl Queues {
             Ended::Interrupted => Finish::Interrupted {
                 error: "interrupted: the daemon shut down during this attempt".into(),
             },
+            // The store refuses this finish (the lease is not held); the
+            // attempt is recorded as abandoned there.
+            Ended::LeaseLost => Finish::Interrupted {
+                error: "stopped: its lease was lost".into(),
+            },
         };
         crate::effects::fenced::failpoint("queue::before_finish").await;
         let outcome = outcome_label(&finish);
@@ -718,7 +785,7 @@ impl Queues {
                 tracing::debug!(job = %lease.job_id, queue = %cfg.name, attempt = lease.attempt, outcome, next = %state, "attempt ended");
             }
             Err(StoreError::Fenced { .. }) => {
-                tracing::info!(job = %lease.job_id, queue = %cfg.name, attempt = lease.attempt, "attempt ended after its job was cancelled");
+                tracing::info!(job = %lease.job_id, queue = %cfg.name, attempt = lease.attempt, "attempt ended after it lost its job (cancelled, or its lease expired): its end changed nothing");
             }
             Err(e) => {
                 // The job stays active in the ledger; the next start redelivers it.
@@ -747,6 +814,7 @@ impl Queues {
 enum Ended {
     Ran(RunOutcome),
     Cancelled,
+    LeaseLost,
     Interrupted,
 }
 

@@ -148,6 +148,8 @@ pub struct AttemptRecord {
     pub ended_at: Option<Millis>,
     pub outcome: AttemptOutcome,
     pub error: Option<String>,
+    #[serde(default)]
+    pub plugin_version: Option<String>,
 }
 
 /// One effect recorded on a job, in the order recorded.

@@ -231,7 +231,9 @@ pub trait Store: Send + Sync + 'static {
     /// Crash recovery, run once at start before any lease: every `active`
     /// job's attempt is closed as abandoned (counted), and the job goes back to
     /// waiting at `now`, or to dead when its budget is used up. Returns how
-    /// many jobs were recovered. **Durable.**
+    /// many jobs were recovered. On a store that several daemons share
+    /// (PostgreSQL) only jobs whose lease expired: a live daemon's are its
+    /// own. **Durable.**
     async fn recover(&self, now: Millis) -> Result<u64, StoreError>;
 
     /// Cancels a waiting, delayed or active job. An active job's lease is
@@ -418,5 +420,35 @@ pub trait Store: Send + Sync + 'static {
     async fn import(&self, records: Vec<copy::Record>) -> Result<(), StoreError> {
         let _ = records;
         Err(copy::unsupported("import"))
+    }
+
+    // Several daemons on one store. The defaults are those of a store that
+    // one daemon owns (SQLite's lock file): its leases last until the
+    // attempt ends, and `recover` at start reclaims every active job.
+
+    /// Renews this daemon's live leases for another lease period and returns
+    /// the leases it held that are lost (expired, or taken over), so that
+    /// their attempts are stopped: every effect of theirs is already refused
+    /// as `Fenced`. **Durable.**
+    async fn heartbeat(&self) -> Result<Vec<LeaseRef>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// Reclaims up to a bounded number of jobs whose lease expired: each
+    /// attempt is closed as abandoned (counted), each job goes back to
+    /// waiting at `now`, or to dead when its budget is used up. Returns how
+    /// many jobs were reclaimed; the caller repeats until it returns 0.
+    /// **Durable.**
+    async fn reclaim_expired(&self, now: Millis) -> Result<u64, StoreError> {
+        let _ = now;
+        Ok(0)
+    }
+
+    /// The names of queues that may have ready jobs because another daemon
+    /// enqueued, retried or reclaimed them; `None` for a store that one
+    /// daemon owns (it wakes its own queues). The stream may lose names (a
+    /// dropped connection): the caller keeps a slow poll as well.
+    fn wakeups(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<String>> {
+        None
     }
 }

@@ -87,14 +87,41 @@
 //! `search_path`: give khata a database of its own (or a schema, with
 //! `options=-csearch_path%3Dkhata` in the URL).
 //!
-//! # One daemon per database (for now)
+//! # Several daemons on one database
 //!
-//! Crash recovery ([`Store::recover`]) treats every `active` job as abandoned
-//! by a dead process, which is only true while one daemon uses the database.
-//! [`PostgresStore::open`] therefore takes a session-level advisory lock on a
-//! connection of its own and keeps it for the life of the store, as the
-//! SQLite store keeps `khata.lock`; a second daemon fails to start. (Several
-//! daemons with heartbeats and lease expiry come later.)
+//! Each open store is one daemon, named by a random id (a UUID, new at every
+//! start) registered in the table `daemons` with its host and pid. A lease
+//! is the job row's `lease_token`, `lease_owner` (the daemon's id) and
+//! `lease_expires_at`, always measured on the database's clock
+//! (`clock_timestamp()`), never a daemon's, so that clocks that disagree
+//! cannot make two daemons both believe they hold a job:
+//!
+//! - [`Store::lease`] sets `lease_expires_at` to `lease` from now;
+//!   [`Store::heartbeat`] extends the daemon's unexpired leases by `lease`
+//!   and reports those it no longer holds.
+//! - **Every lease check** (kv and index steps, `fence_begin`,
+//!   `fence_take_over`, `finish`) requires the stored token AND
+//!   `lease_expires_at > clock_timestamp()`: a daemon paused past its lease
+//!   (SIGSTOP, a long pause, a partition) is `Fenced` at its next effect even
+//!   before any other daemon reclaimed the job, and its `finish` is refused
+//!   (its attempt is closed as abandoned).
+//! - [`Store::reclaim_expired`] takes expired leases with `FOR UPDATE SKIP
+//!   LOCKED` (a step in progress on a job keeps it until it ends; daemons
+//!   reclaiming at once split the work), a bounded number per pass, and
+//!   closes each attempt as abandoned (counted toward `max_attempts`).
+//!   [`Store::recover`] at start is the same for every expired lease: jobs
+//!   leased by live daemons are left alone.
+//! - An enqueue, a retry (by hand or with backoff), an interrupted attempt
+//!   and a reclaim `NOTIFY` the channel `khata_wake` with the queue's name
+//!   as payload, in the step's transaction (delivered at its commit);
+//!   [`Store::wakeups`] LISTENs on a connection of its own, reconnecting
+//!   when it drops, and yields `*` (every queue) after each (re)connection,
+//!   since notifications sent meanwhile are lost.
+//! - A step never idles inside its transaction, unless its daemon is paused:
+//!   the pool's sessions run with `idle_in_transaction_session_timeout` set
+//!   to the lease, so the server ends a paused daemon's open transaction
+//!   (and its row locks, which would keep the job from being reclaimed) by
+//!   the time its lease expires.
 //!
 //! # Connections
 //!
@@ -125,7 +152,7 @@ use crate::job::{
 };
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
 pub const MIGRATIONS: &[&str] = &[
@@ -277,19 +304,42 @@ CREATE TRIGGER job_counts_delete AFTER DELETE ON jobs
     r#"
 ALTER TABLE attempts ADD COLUMN plugin_version text;
 "#,
+    r#"
+-- Leases that expire (several daemons on one database). An active job is
+-- held by lease_owner until lease_expires_at, on the database's clock.
+ALTER TABLE jobs ADD COLUMN lease_owner text, ADD COLUMN lease_expires_at timestamptz;
+-- A job active before this version belonged to the one daemon of versions 1-2:
+-- its lease is expired at once, so the next start reclaims it.
+UPDATE jobs SET lease_expires_at = now() WHERE state = 'active';
+CREATE INDEX jobs_lease_expiry ON jobs (lease_expires_at) WHERE state = 'active';
+CREATE INDEX jobs_lease_owner ON jobs (lease_owner) WHERE state = 'active';
+
+-- The daemons that used this database, for operators: id (random per
+-- start), where it runs, and when it last renewed its leases.
+CREATE TABLE daemons (
+    id           text PRIMARY KEY,
+    host         text NOT NULL,
+    pid          integer NOT NULL,
+    started_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+    heartbeat_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+"#,
 ];
 
 /// The advisory lock that serialises migrations (transaction-level).
 const MIGRATION_LOCK: i64 = 0x6b68_6174_615f_6d67; // "khata_mg"
-/// The advisory lock one daemon holds for the life of its store (session-level).
-const DAEMON_LOCK: i64 = 0x6b68_6174_615f_6431; // "khata_d1"
 
 /// How often a step is rerun after losing a race (deadlock, serialization
 /// failure, unique violation) before it gives up as `Unavailable`.
 const MAX_RERUNS: u32 = 20;
-/// How long `open` keeps asking for the daemon lock: a daemon killed a
-/// moment ago may still hold it until its server process notices.
-const LOCK_PATIENCE: Duration = Duration::from_secs(15);
+/// The lease of a store opened without [`PostgresStore::with_lease`].
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Expired leases reclaimed in one pass at most.
+const RECLAIM_BATCH: u32 = 500;
+/// The channel of wake-ups; the payload is a queue's name.
+const WAKE_CHANNEL: &str = "khata_wake";
+/// How long the listener waits before connecting again.
+const LISTEN_RETRY: Duration = Duration::from_secs(1);
 /// Rows of each kind removed by one sweep at most, whatever `limit` says.
 const MAX_SWEEP: u32 = 10_000;
 
@@ -314,8 +364,18 @@ pub struct PostgresStore {
     pool: Pool,
     /// `host:port/dbname`, for messages (never the password).
     target: String,
-    /// Holds the daemon lock while the store lives.
-    _lock: AbortOnDrop,
+    /// For the wake-up listener's connection of its own.
+    cfg: tokio_postgres::Config,
+    /// This daemon's id in `daemons` and in `jobs.lease_owner`.
+    daemon_id: String,
+    /// How long a lease lasts unless renewed, in ms; also the sessions'
+    /// `idle_in_transaction_session_timeout`.
+    lease_ms: i64,
+    /// The leases this store handed out and not yet saw end, to report those
+    /// that a heartbeat finds lost. Entered after the lease's commit.
+    held: std::sync::Mutex<std::collections::HashSet<LeaseRef>>,
+    /// The wake-up listener, stopped with the store.
+    listener: std::sync::Mutex<Option<AbortOnDrop>>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -519,53 +579,10 @@ async fn migrate_client(client: &mut tokio_postgres::Client) -> Result<Migrated,
     })
 }
 
-/// Takes the daemon lock on a connection of its own; `None` when another
-/// session holds it.
-async fn take_daemon_lock(
-    cfg: &tokio_postgres::Config,
-) -> Result<Option<(tokio_postgres::Client, JoinHandle<()>)>, StoreError> {
-    let (client, task) = connect(cfg).await?;
-    let got: bool = client
-        .query_one("SELECT pg_try_advisory_lock($1)", &[&DAEMON_LOCK])
-        .await?
-        .try_get(0)?;
-    Ok(got.then_some((client, task)))
-}
-
-/// Keeps the daemon lock: when its connection ends (the server restarted,
-/// the network broke), takes it again.
-async fn hold_daemon_lock(
-    cfg: tokio_postgres::Config,
-    mut held: (tokio_postgres::Client, JoinHandle<()>),
-) {
-    let target = target_of(&cfg);
-    loop {
-        let (client, task) = held;
-        let _ = task.await;
-        drop(client);
-        tracing::error!(database = %target, "the connection holding the daemon lock closed; taking the lock again");
-        held = loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            match take_daemon_lock(&cfg).await {
-                Ok(Some(h)) => {
-                    tracing::info!(database = %target, "the daemon lock is held again");
-                    break h;
-                }
-                Ok(None) => {
-                    tracing::error!(database = %target, "another khata daemon took the daemon lock of this database; two daemons must not share it in this release");
-                }
-                Err(e) => {
-                    tracing::warn!(database = %target, error = %e, "cannot take the daemon lock yet")
-                }
-            }
-        };
-    }
-}
-
 impl PostgresStore {
     /// Opens the ledger at `url` with at most `pool` connections: applies
-    /// pending migrations and takes the daemon lock (a second daemon on the
-    /// same database fails here).
+    /// pending migrations and registers this daemon in `daemons` under a
+    /// new random id. Other daemons may use the same database.
     pub async fn open(url: &str, pool: usize) -> Result<PostgresStore, StoreError> {
         Self::open_config(parse_url(url)?, pool).await
     }
@@ -575,13 +592,23 @@ impl PostgresStore {
         cfg: tokio_postgres::Config,
         pool: usize,
     ) -> Result<PostgresStore, StoreError> {
-        Self::open_inner(cfg, pool, LOCK_PATIENCE).await
+        Self::open_inner(cfg, pool, DEFAULT_LEASE).await
+    }
+
+    /// [`open`](Self::open) for a daemon whose leases last `lease` unless
+    /// renewed by [`Store::heartbeat`] (`[store] lease`).
+    pub async fn open_with_lease(
+        url: &str,
+        pool: usize,
+        lease: Duration,
+    ) -> Result<PostgresStore, StoreError> {
+        Self::open_inner(parse_url(url)?, pool, lease).await
     }
 
     async fn open_inner(
         cfg: tokio_postgres::Config,
         pool: usize,
-        patience: Duration,
+        lease: Duration,
     ) -> Result<PostgresStore, StoreError> {
         let cfg = with_defaults(cfg);
         let target = target_of(&cfg);
@@ -592,23 +619,9 @@ impl PostgresStore {
             drop(client);
             let _ = task.await;
         }
-        let started = std::time::Instant::now();
-        let held = loop {
-            if let Some(h) = take_daemon_lock(&cfg).await? {
-                break h;
-            }
-            if started.elapsed() > patience {
-                return Err(unavailable(format!(
-                    "another khata daemon uses the database {target} (it holds the daemon lock); \
-                     one daemon per database in this release"
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        };
-        let lock = AbortOnDrop(tokio::spawn(hold_daemon_lock(cfg.clone(), held)));
-
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX).max(1);
         let manager = Manager::from_config(
-            cfg,
+            cfg.clone(),
             NoTls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -620,26 +633,59 @@ impl PostgresStore {
             .create_timeout(Some(Duration::from_secs(10)))
             .wait_timeout(Some(Duration::from_secs(60)))
             .recycle_timeout(Some(Duration::from_secs(10)))
-            .post_create(Hook::async_fn(|client, _| {
+            .post_create(Hook::async_fn(move |client, _| {
+                let idle_ms = lease_ms;
                 Box::pin(async move {
                     // Durable steps rely on the session's synchronous_commit:
-                    // never let a server default of `off` weaken them.
+                    // never let a server default of `off` weaken them. A
+                    // step never idles inside its transaction unless the
+                    // daemon is paused (SIGSTOP, a partition): the server
+                    // then ends the session after a lease, releasing the
+                    // row locks that would keep others from reclaiming.
                     client
-                        .batch_execute(
+                        .batch_execute(&format!(
                             "SELECT set_config('synchronous_commit', 'on', false) \
-                             WHERE current_setting('synchronous_commit') = 'off'",
-                        )
+                             WHERE current_setting('synchronous_commit') = 'off'; \
+                             SET idle_in_transaction_session_timeout = {idle_ms}"
+                        ))
                         .await
                         .map_err(HookError::Backend)
                 })
             }))
             .build()
             .map_err(unavailable)?;
-        Ok(PostgresStore {
+        let store = PostgresStore {
             pool,
             target,
-            _lock: lock,
-        })
+            cfg,
+            daemon_id: uuid::Uuid::now_v7().to_string(),
+            lease_ms,
+            held: std::sync::Mutex::new(std::collections::HashSet::new()),
+            listener: std::sync::Mutex::new(None),
+        };
+        store.register().await?;
+        Ok(store)
+    }
+
+    /// This daemon's id (in `daemons` and `jobs.lease_owner`).
+    pub fn daemon_id(&self) -> &str {
+        &self.daemon_id
+    }
+
+    fn lease_ms(&self) -> i64 {
+        self.lease_ms
+    }
+
+    fn hold(&self, leases: &[Lease]) {
+        if let Ok(mut held) = self.held.lock() {
+            held.extend(leases.iter().map(Lease::fence));
+        }
+    }
+
+    fn release(&self, lease: &LeaseRef) {
+        if let Ok(mut held) = self.held.lock() {
+            held.remove(lease);
+        }
     }
 
     /// `host:port/dbname` of the database.
@@ -869,14 +915,17 @@ async fn load_attempts<C: GenericClient>(c: &C, id: &str) -> Result<Vec<Attempt>
         .collect()
 }
 
-/// Checks that `lease` holds its job: the job is active under that token.
-/// With `lock`, the job row is share-locked until the step ends, so nothing
-/// can move the job between this check and the step's writes.
+/// Checks that `lease` holds its job: the job is active under that token
+/// and the lease has not expired on the database's clock. With `lock`, the
+/// job row is share-locked until the step ends, so nothing (a cancel, a
+/// reclaim) can move the job between this check and the step's writes.
 async fn check_lease<C: GenericClient>(c: &C, lease: &LeaseRef, lock: bool) -> Result<(), Fail> {
     let sql = if lock {
-        "SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' FOR SHARE"
+        "SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
+         AND lease_expires_at > clock_timestamp() FOR SHARE"
     } else {
-        "SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active'"
+        "SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
+         AND lease_expires_at > clock_timestamp()"
     };
     let held: Option<i64> = match row_opt(c, sql, &[&lease.job_id]).await? {
         Some(r) => r.try_get(0)?,
@@ -1051,6 +1100,7 @@ async fn lease_batch<C: GenericClient>(
     max: u32,
     plugin_version: &str,
     now: Millis,
+    (owner, lease_ms): (&str, i64),
 ) -> Result<Vec<Lease>, Fail> {
     let picked = rows(
         c,
@@ -1094,12 +1144,13 @@ async fn lease_batch<C: GenericClient>(
         c,
         "WITH leased AS ( \
              UPDATE jobs j SET state = 'active', attempt = j.attempt + 1, \
-                 budget_used = j.budget_used + 1, lease_token = v.token \
+                 budget_used = j.budget_used + 1, lease_token = v.token, lease_owner = $4, \
+                 lease_expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond' \
              FROM unnest($1::text[], $2::bigint[]) AS v(id, token) WHERE j.id = v.id \
              RETURNING j.id, j.attempt, j.lease_token) \
          INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version) \
-         SELECT id, attempt, lease_token, $3, 'running', $4 FROM leased",
-        &[&ids, &tokens, &now.0, &plugin_version],
+         SELECT id, attempt, lease_token, $3, 'running', $6 FROM leased",
+        &[&ids, &tokens, &now.0, &owner, &lease_ms, &plugin_version],
     )
     .await?;
     Ok(leases)
@@ -1156,7 +1207,8 @@ async fn finish_step<C: GenericClient>(
     now: Millis,
 ) -> Result<Result<JobState, StoreError>, Fail> {
     let (job, token) = lock_job(c, &lease.job_id, now).await?;
-    let holds = job.state == JobState::Active && token == Some(i64_of(lease.token));
+    let mine = job.state == JobState::Active && token == Some(i64_of(lease.token));
+    let holds = mine && lease_unexpired(c, &lease.job_id).await?;
     let (outcome, error) = match finish {
         Finish::Completed { .. } => (AttemptOutcome::Completed, None),
         Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
@@ -1164,6 +1216,19 @@ async fn finish_step<C: GenericClient>(
         }
         Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
     };
+    if mine && !holds {
+        // The lease expired before the attempt ended: what the attempt did
+        // does not count, and the job is reclaimed like any expired lease.
+        let error = format!(
+            "{LEASE_EXPIRED}; the attempt ended as {} afterwards",
+            outcome.as_str()
+        );
+        close_attempt(c, lease, AttemptOutcome::Abandoned, Some(&error), now).await?;
+        return Ok(Err(StoreError::Fenced {
+            job_id: lease.job_id.clone(),
+            token: lease.token,
+        }));
+    }
     if !holds {
         // Cancelled (or recovered) meanwhile: record how the attempt ended,
         // leave the job alone.
@@ -1192,6 +1257,7 @@ async fn finish_step<C: GenericClient>(
                 &[&job.id, &run_at.0, error],
             )
             .await?;
+            notify(c, &job.queue).await?;
             visible_state(JobState::Waiting, *run_at, now)
         }
         Finish::Retry { error, .. } => {
@@ -1211,6 +1277,7 @@ async fn finish_step<C: GenericClient>(
                 &[&job.id, &now.0, error],
             )
             .await?;
+            notify(c, &job.queue).await?;
             JobState::Waiting
         }
     };
@@ -1218,40 +1285,93 @@ async fn finish_step<C: GenericClient>(
 }
 
 const ABANDONED: &str = "abandoned: the daemon stopped during this attempt";
+const LEASE_EXPIRED: &str =
+    "abandoned: its lease expired (the daemon holding it stopped renewing it)";
 
-async fn recover_step<C: GenericClient>(c: &C, now: Millis) -> Result<u64, Fail> {
-    let active = rows(
+/// Whether the lease on job `id` has not expired on the database's clock.
+async fn lease_unexpired<C: GenericClient>(c: &C, id: &str) -> Result<bool, Fail> {
+    let r = row_opt(
         c,
-        "SELECT id, budget_used, max_attempts FROM jobs WHERE state = 'active' ORDER BY id FOR UPDATE",
-        &[],
+        "SELECT lease_expires_at > clock_timestamp() FROM jobs WHERE id = $1",
+        &[&id],
     )
     .await?;
-    // Every open attempt is closed: those of the active jobs, and any left
-    // open without an active job (should not happen).
-    exec(
+    Ok(match r {
+        Some(r) => r.try_get::<_, Option<bool>>(0)?.unwrap_or(false),
+        None => false,
+    })
+}
+
+/// Tells every listening daemon that `queue` may have a ready job; sent
+/// when the step's transaction commits (once per queue and transaction).
+async fn notify<C: GenericClient>(c: &C, queue: &str) -> Result<(), Fail> {
+    exec(c, "SELECT pg_notify($1, $2)", &[&WAKE_CHANNEL, &queue]).await?;
+    Ok(())
+}
+
+/// Reclaims at most `max` jobs whose lease expired (see
+/// [`Store::reclaim_expired`]), and those leased by `owner` when given; rows
+/// a step holds are skipped, for a later pass.
+async fn reclaim_step<C: GenericClient>(
+    c: &C,
+    now: Millis,
+    max: u32,
+    why: &str,
+    owner: Option<&str>,
+) -> Result<u64, Fail> {
+    let expired = rows(
         c,
-        "UPDATE attempts SET ended_at = $1, outcome = 'abandoned', error = $2 WHERE ended_at IS NULL",
-        &[&now.0, &ABANDONED],
+        "SELECT id, queue, budget_used, max_attempts FROM jobs \
+         WHERE state = 'active' AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp() \
+             OR ($2::text IS NOT NULL AND lease_owner = $2)) \
+         ORDER BY lease_expires_at NULLS FIRST LIMIT $1 FOR UPDATE SKIP LOCKED",
+        &[&i64::from(max), &owner],
     )
     .await?;
-    for r in &active {
+    if expired.is_empty() {
+        return Ok(0);
+    }
+    let mut ids = Vec::with_capacity(expired.len());
+    let mut back = Vec::new();
+    let mut dead = Vec::new();
+    let mut queues = std::collections::BTreeSet::new();
+    for r in &expired {
         let id: String = r.try_get(0)?;
-        let used: i32 = r.try_get(1)?;
-        let max: i32 = r.try_get(2)?;
+        let queue: String = r.try_get(1)?;
+        let used: i32 = r.try_get(2)?;
+        let max: i32 = r.try_get(3)?;
+        ids.push(id.clone());
         if used < max {
-            exec(
-                c,
-                "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL \
-                 WHERE id = $1",
-                &[&id, &now.0, &ABANDONED],
-            )
-            .await?;
+            back.push(id);
+            queues.insert(queue);
         } else {
-            let error = format!("{ABANDONED} (attempt budget of {max} used up)");
-            end_job(c, &id, JobState::Dead, None, Some(&error), now).await?;
+            dead.push((id, max));
         }
     }
-    Ok(active.len() as u64)
+    exec(
+        c,
+        "UPDATE attempts SET ended_at = $2, outcome = 'abandoned', error = $3 \
+         WHERE job_id = ANY($1::text[]) AND ended_at IS NULL",
+        &[&ids, &now.0, &why],
+    )
+    .await?;
+    if !back.is_empty() {
+        exec(
+            c,
+            "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL, \
+             lease_owner = NULL, lease_expires_at = NULL WHERE id = ANY($1::text[])",
+            &[&back, &now.0, &why],
+        )
+        .await?;
+    }
+    for (id, max) in &dead {
+        let error = format!("{why} (attempt budget of {max} used up)");
+        end_job(c, id, JobState::Dead, None, Some(&error), now).await?;
+    }
+    for q in &queues {
+        notify(c, q).await?;
+    }
+    Ok(expired.len() as u64)
 }
 
 async fn cancel_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<(Job, bool), Fail> {
@@ -1297,6 +1417,7 @@ async fn retry_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<Jo
         )
         .await?;
     }
+    notify(c, &job.queue).await?;
     Ok(load_job(c, id, now)
         .await?
         .ok_or_else(|| StoreError::NotFound(id.to_owned()))?)
@@ -1692,6 +1813,158 @@ async fn fence_resolve_step<C: GenericClient>(
 }
 
 // ---------------------------------------------------------------------------
+// Several daemons: registration, heartbeat, wake-ups
+// ---------------------------------------------------------------------------
+
+impl PostgresStore {
+    /// Records this daemon in `daemons`. Durable when it returns.
+    async fn register(&self) -> Result<(), StoreError> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default();
+        let pid = i32::try_from(std::process::id()).unwrap_or(0);
+        step!(self, Mode::Write, |tx| {
+            exec(
+                &tx,
+                "INSERT INTO daemons (id, host, pid) VALUES ($1, $2, $3)",
+                &[&self.daemon_id, &host, &pid],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    /// Renews this daemon's unexpired leases and its `daemons` row; returns
+    /// the leases it held that are lost. Durable when it returns.
+    async fn heartbeat_step(&self) -> Result<Vec<LeaseRef>, StoreError> {
+        // Leases entered before the renewal began were committed before it,
+        // so the renewal sees every one of them.
+        let before: Vec<LeaseRef> = self
+            .held
+            .lock()
+            .map(|h| h.iter().cloned().collect())
+            .unwrap_or_default();
+        let lease_ms = self.lease_ms();
+        let ids: Vec<&str> = before.iter().map(|l| l.job_id.as_str()).collect();
+        let tokens: Vec<i64> = before.iter().map(|l| i64_of(l.token)).collect();
+        // Only the leases of attempts still running here: a lease whose
+        // attempt ended without its finish committing is left to expire.
+        let renewed: Vec<(String, i64)> = step!(self, Mode::Write, |tx| {
+            exec(
+                &tx,
+                "UPDATE daemons SET heartbeat_at = clock_timestamp() WHERE id = $1",
+                &[&self.daemon_id],
+            )
+            .await?;
+            if ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            let r = rows(
+                &tx,
+                "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond' \
+                 FROM unnest($2::text[], $3::bigint[]) AS v(id, token) \
+                 WHERE j.id = v.id AND j.lease_token = v.token AND j.lease_owner = $1 \
+                   AND j.state = 'active' AND j.lease_expires_at > clock_timestamp() \
+                 RETURNING j.id, j.lease_token",
+                &[&self.daemon_id, &ids, &tokens, &lease_ms],
+            )
+            .await?;
+            r.iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get::<_, Option<i64>>(1)?.unwrap_or(0))))
+                .collect::<Result<Vec<_>, Fail>>()
+        })?;
+        let renewed: std::collections::HashSet<(String, u64)> =
+            renewed.into_iter().map(|(id, t)| (id, u64_of(t))).collect();
+        let mut lost = Vec::new();
+        if let Ok(mut held) = self.held.lock() {
+            for l in before {
+                // Still held in memory (its attempt has not ended) and not
+                // renewed: lost.
+                if !renewed.contains(&(l.job_id.clone(), l.token)) && held.remove(&l) {
+                    lost.push(l);
+                }
+            }
+        }
+        Ok(lost)
+    }
+
+    /// Starts the wake-up listener (once) and returns its stream.
+    fn start_listener(&self) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let task = AbortOnDrop(tokio::spawn(listen(self.cfg.clone(), tx)));
+        if let Ok(mut l) = self.listener.lock() {
+            *l = Some(task);
+        }
+        rx
+    }
+}
+
+/// LISTENs on `khata_wake` on a connection of its own and forwards each
+/// notification's queue name; after every (re)connection it sends `*`
+/// (every queue), since notifications sent while it was not listening are
+/// lost. Ends when the receiver is gone.
+async fn listen(cfg: tokio_postgres::Config, tx: tokio::sync::mpsc::UnboundedSender<String>) {
+    let target = target_of(&cfg);
+    let mut connected_once = false;
+    loop {
+        match cfg.connect(NoTls).await {
+            Ok((client, mut connection)) => {
+                let (msg_tx, mut msg_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+                let driver = AbortOnDrop(tokio::spawn(async move {
+                    loop {
+                        match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                            Some(Ok(tokio_postgres::AsyncMessage::Notification(n))) => {
+                                if msg_tx.send(n.payload().to_owned()).is_err() {
+                                    return;
+                                }
+                            }
+                            Some(Ok(_)) => {}
+                            Some(Err(e)) => {
+                                tracing::warn!(error = %describe(&e), "the wake-up connection to PostgreSQL failed");
+                                return;
+                            }
+                            None => return,
+                        }
+                    }
+                }));
+                match client
+                    .batch_execute(&format!("LISTEN {WAKE_CHANNEL}"))
+                    .await
+                {
+                    Ok(()) => {
+                        if connected_once {
+                            tracing::info!(database = %target, "listening for wake-ups again");
+                        }
+                        connected_once = true;
+                        if tx.send("*".to_owned()).is_err() {
+                            return;
+                        }
+                        while let Some(queue) = msg_rx.recv().await {
+                            if tx.send(queue).is_err() {
+                                return;
+                            }
+                        }
+                        tracing::warn!(database = %target, "the wake-up connection closed; connecting again (queues poll meanwhile)");
+                    }
+                    Err(e) => {
+                        tracing::warn!(database = %target, error = %describe(&e), "cannot LISTEN for wake-ups");
+                    }
+                }
+                drop(client);
+                drop(driver);
+            }
+            Err(e) => {
+                tracing::warn!(database = %target, error = %describe(&e), "cannot connect for wake-ups; queues poll meanwhile");
+            }
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(LISTEN_RETRY).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
 // The trait
 // ---------------------------------------------------------------------------
 
@@ -1700,8 +1973,16 @@ impl Store for PostgresStore {
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
         step!(self, Mode::Write, |tx| {
             let mut out = Vec::with_capacity(jobs.len());
+            let mut queues = std::collections::BTreeSet::new();
             for (i, j) in jobs.iter().enumerate() {
-                out.push(enqueue_one(&tx, j, i, now).await?);
+                let e = enqueue_one(&tx, j, i, now).await?;
+                if !e.deduplicated {
+                    queues.insert(j.queue.as_str());
+                }
+                out.push(e);
+            }
+            for q in queues {
+                notify(&tx, q).await?;
             }
             Ok(out)
         })
@@ -1714,14 +1995,18 @@ impl Store for PostgresStore {
         plugin_version: &str,
         now: Millis,
     ) -> Result<Vec<Lease>, StoreError> {
-        step!(self, Mode::Write, |tx| lease_batch(
+        let owner = (self.daemon_id.as_str(), self.lease_ms());
+        let leases = step!(self, Mode::Write, |tx| lease_batch(
             &tx,
             queue,
             max,
             plugin_version,
-            now
+            now,
+            owner
         )
-        .await)
+        .await)?;
+        self.hold(&leases);
+        Ok(leases)
     }
 
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
@@ -1752,11 +2037,58 @@ impl Store for PostgresStore {
                 &tx, lease, &finish, now
             )
             .await);
+        // Its attempt is over, whatever the answer: the lease is renewed no
+        // more (if the finish did not commit, the lease expires and another
+        // pass reclaims the job).
+        self.release(lease);
         r?
     }
 
+    /// Expired leases, and this store's own: jobs leased by other live
+    /// daemons are theirs. A job this daemon's previous run (another id)
+    /// left active is reclaimed once its lease expires, by
+    /// [`Store::reclaim_expired`]. This store's own leases exist only when
+    /// it leased before recovering, which stands for a restart of this
+    /// daemon: they are abandoned too.
     async fn recover(&self, now: Millis) -> Result<u64, StoreError> {
-        step!(self, Mode::Write, |tx| recover_step(&tx, now).await)
+        if let Ok(mut held) = self.held.lock() {
+            held.clear();
+        }
+        let mut total = 0;
+        let me = Some(self.daemon_id.as_str());
+        loop {
+            let n = step!(self, Mode::Write, |tx| reclaim_step(
+                &tx,
+                now,
+                RECLAIM_BATCH,
+                ABANDONED,
+                me
+            )
+            .await)?;
+            total += n;
+            if n < u64::from(RECLAIM_BATCH) {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn heartbeat(&self) -> Result<Vec<LeaseRef>, StoreError> {
+        self.heartbeat_step().await
+    }
+
+    async fn reclaim_expired(&self, now: Millis) -> Result<u64, StoreError> {
+        step!(self, Mode::Write, |tx| reclaim_step(
+            &tx,
+            now,
+            RECLAIM_BATCH,
+            LEASE_EXPIRED,
+            None
+        )
+        .await)
+    }
+
+    fn wakeups(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<String>> {
+        Some(self.start_listener())
     }
 
     async fn cancel(&self, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
@@ -1901,7 +2233,8 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         let r = rows(
             &client,
-            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active'), \
+            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
+                     AND lease_expires_at > clock_timestamp()), \
                     (SELECT value FROM kv WHERE namespace = $2 AND key = $3)",
             &[&lease.job_id, &ns, &key],
         )
@@ -2005,7 +2338,8 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         let r = rows(
             &client,
-            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active'), \
+            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
+                     AND lease_expires_at > clock_timestamp()), \
                     (SELECT document FROM index_docs WHERE collection = $2 AND id = $3)",
             &[&lease.job_id, &collection, &id],
         )
@@ -2293,8 +2627,8 @@ async fn export_page<C: GenericClient>(
                 .collect();
             for r in rows(
                 c,
-                "SELECT job_id, number, token, started_at, ended_at, outcome, error FROM attempts \
-                 WHERE job_id = ANY($1::text[]) ORDER BY job_id, number",
+                "SELECT job_id, number, token, started_at, ended_at, outcome, error, plugin_version \
+                 FROM attempts WHERE job_id = ANY($1::text[]) ORDER BY job_id, number",
                 &[&ids],
             )
             .await?
@@ -2315,6 +2649,7 @@ async fn export_page<C: GenericClient>(
                         ended_at: r.try_get::<_, Option<i64>>(4)?.map(Millis),
                         outcome,
                         error: r.try_get(6)?,
+                        plugin_version: r.try_get(7)?,
                     });
                 }
             }
@@ -2530,8 +2865,9 @@ async fn import_page<C: GenericClient>(c: &C, records: &[copy::Record]) -> Resul
                     for a in &j.attempts {
                         exec(
                             c,
-                            "INSERT INTO attempts (job_id, number, token, started_at, ended_at, outcome, error) \
-                             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                            "INSERT INTO attempts \
+                             (job_id, number, token, started_at, ended_at, outcome, error, plugin_version) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                             &[
                                 &j.id,
                                 &i32_of(a.number),
@@ -2540,6 +2876,7 @@ async fn import_page<C: GenericClient>(c: &C, records: &[copy::Record]) -> Resul
                                 &a.ended_at.map(|m| m.0),
                                 &a.outcome.as_str(),
                                 &a.error,
+                                &a.plugin_version,
                             ],
                         )
                         .await?;
@@ -2771,7 +3108,6 @@ pub mod testing {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::Duration;
 
     use super::testing::TestDatabase;
     use super::{PostgresStore, SCHEMA_VERSION, migrate};
@@ -2826,17 +3162,148 @@ mod tests {
         assert!(err.to_string().contains("newer than this khata"), "{err}");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_second_daemon_is_kept_off_the_database() {
-        let db = TestDatabase::create().await;
-        let _first = PostgresStore::open(&db.url, 2).await.expect("open");
+    /// Sets every active lease of the database to have expired a moment ago,
+    /// as the database's clock sees it: what a daemon paused past its lease
+    /// finds, without waiting for it.
+    async fn expire_leases(db: &TestDatabase) {
         let cfg = super::parse_url(&db.url).unwrap();
-        let second = PostgresStore::open_inner(cfg, 2, Duration::from_millis(600)).await;
-        let err = second.unwrap_err();
-        assert!(
-            matches!(&err, StoreError::Unavailable(m) if m.contains("another khata daemon")),
-            "{err}"
+        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        let task = tokio::spawn(conn);
+        client
+            .batch_execute(
+                "UPDATE jobs SET lease_expires_at = clock_timestamp() - interval '1 second' \
+                 WHERE state = 'active'",
+            )
+            .await
+            .unwrap();
+        drop(client);
+        let _ = task.await;
+    }
+
+    fn new_job(id: &str, t0: Millis, max_attempts: u32) -> NewJob {
+        NewJob {
+            queue: "q".into(),
+            id: Some(id.into()),
+            payload: "{}".into(),
+            priority: 0,
+            run_at: t0,
+            max_attempts,
+            dedup_key: None,
+            dedup_for: None,
+        }
+    }
+
+    /// Two daemons on one database: each registers under its own id; a
+    /// lease that expired fences its holder at every step, its finish is
+    /// refused, the other daemon reclaims the job (the attempt recorded as
+    /// abandoned and counted) and completes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_expired_lease_is_fenced_and_reclaimed_by_another_daemon() {
+        let db = TestDatabase::create().await;
+        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
+        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
+        assert_ne!(a.daemon_id(), b.daemon_id());
+        let t0 = Millis(1_700_000_000_000);
+        a.enqueue(vec![new_job("j", t0, 3)], t0).await.unwrap();
+        let l = a.lease("q", 1, "v1", t0).await.unwrap().remove(0);
+        let f = l.fence();
+        a.kv_put(&f, "ns", "k", b"1".to_vec()).await.unwrap();
+        // A live lease is not reclaimed, neither at start nor periodically.
+        assert_eq!(b.recover(t0).await.unwrap(), 0);
+        assert_eq!(b.reclaim_expired(t0).await.unwrap(), 0);
+        assert!(a.heartbeat().await.unwrap().is_empty(), "renewed, not lost");
+
+        expire_leases(&db).await;
+        let fenced = |r: Result<(), StoreError>| {
+            assert!(matches!(r, Err(StoreError::Fenced { .. })), "{r:?}");
+        };
+        fenced(a.kv_put(&f, "ns", "k", b"2".to_vec()).await);
+        fenced(a.kv_get(&f, "ns", "k").await.map(|_| ()));
+        fenced(a.index_upsert(&f, "c", "d", "{}", 1, t0).await.map(|_| ()));
+        let fid = crate::store::FenceId {
+            namespace: "ns".into(),
+            kind: "http".into(),
+            key: "charge-1".into(),
+        };
+        fenced(a.fence_begin(&f, 1, &fid, b"fp", t0).await.map(|_| ()));
+        // Expired is lost, even before anyone reclaimed it.
+        assert_eq!(a.heartbeat().await.unwrap(), vec![f.clone()]);
+
+        assert_eq!(b.reclaim_expired(t0).await.unwrap(), 1);
+        let j = b.job("j", t0).await.unwrap().unwrap();
+        assert_eq!(j.state, crate::job::JobState::Waiting);
+        assert_eq!(j.attempts[0].outcome, crate::job::AttemptOutcome::Abandoned);
+        assert_eq!(j.budget_used, 1, "the abandoned attempt counts");
+
+        let l2 = b.lease("q", 1, "v1", t0).await.unwrap().remove(0);
+        assert!(l2.token > l.token, "a newer token");
+        let done = a
+            .finish(&f, Finish::Completed { result: "1".into() }, t0)
+            .await;
+        assert!(matches!(done, Err(StoreError::Fenced { .. })), "{done:?}");
+        assert_eq!(
+            b.kv_get(&l2.fence(), "ns", "k").await.unwrap(),
+            Some(b"1".to_vec()),
+            "the stale daemon's write after expiry changed nothing"
         );
+        b.finish(&l2.fence(), Finish::Completed { result: "2".into() }, t0)
+            .await
+            .unwrap();
+        let j = b.job("j", t0).await.unwrap().unwrap();
+        assert_eq!(j.state, crate::job::JobState::Completed);
+        assert_eq!(j.result.as_deref(), Some("2"));
+        let outcomes: Vec<_> = j.attempts.iter().map(|a| a.outcome).collect();
+        assert_eq!(
+            outcomes,
+            [
+                crate::job::AttemptOutcome::Abandoned,
+                crate::job::AttemptOutcome::Completed
+            ]
+        );
+    }
+
+    /// A lease that expires before its attempt ends, not yet reclaimed: the
+    /// finish is refused and the attempt closed as abandoned; the job is
+    /// reclaimed at the next pass, dead when its budget is used up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_finish_after_expiry_is_refused_and_the_budget_holds() {
+        let db = TestDatabase::create().await;
+        let a = PostgresStore::open(&db.url, 2).await.expect("open");
+        let t0 = Millis(1_700_000_000_000);
+        a.enqueue(vec![new_job("j", t0, 1)], t0).await.unwrap();
+        let l = a.lease("q", 1, "v1", t0).await.unwrap().remove(0);
+        expire_leases(&db).await;
+        let r = a
+            .finish(&l.fence(), Finish::Completed { result: "1".into() }, t0)
+            .await;
+        assert!(matches!(r, Err(StoreError::Fenced { .. })), "{r:?}");
+        let j = a.job("j", t0).await.unwrap().unwrap();
+        assert_eq!(j.state, crate::job::JobState::Active, "until reclaimed");
+        assert_eq!(j.attempts[0].outcome, crate::job::AttemptOutcome::Abandoned);
+        assert_eq!(a.reclaim_expired(t0).await.unwrap(), 1);
+        let j = a.job("j", t0).await.unwrap().unwrap();
+        assert_eq!(j.state, crate::job::JobState::Dead, "{j:?}");
+        assert!(
+            j.last_error.as_deref().unwrap_or("").contains("budget"),
+            "{j:?}"
+        );
+    }
+
+    /// An enqueue on one daemon wakes the others' listeners.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_enqueue_notifies_every_listening_daemon() {
+        let db = TestDatabase::create().await;
+        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
+        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
+        let mut wake = b.wakeups().expect("postgres has wake-ups");
+        assert_eq!(
+            wake.recv().await.as_deref(),
+            Some("*"),
+            "first: every queue"
+        );
+        let t0 = Millis(1_700_000_000_000);
+        a.enqueue(vec![new_job("j", t0, 3)], t0).await.unwrap();
+        assert_eq!(wake.recv().await.as_deref(), Some("q"));
     }
 
     /// Leases from many connections at once: `SKIP LOCKED` gives each job

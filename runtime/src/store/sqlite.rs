@@ -1750,8 +1750,8 @@ fn export_page(
                 })?
                 .collect::<Result<_, _>>()?;
             let mut attempts = tx.prepare(
-                "SELECT number, token, started_at, ended_at, outcome, error FROM attempts \
-                 WHERE job_id = ?1 ORDER BY number",
+                "SELECT number, token, started_at, ended_at, outcome, error, plugin_version \
+                 FROM attempts WHERE job_id = ?1 ORDER BY number",
             )?;
             let mut effects = tx.prepare(
                 "SELECT attempt, kind, key, outcome, at FROM effects WHERE job_id = ?1 \
@@ -1772,6 +1772,7 @@ fn export_page(
                                 ended_at: r.get::<_, Option<i64>>(3)?.map(Millis),
                                 outcome: AttemptOutcome::Running,
                                 error: r.get(5)?,
+                                plugin_version: r.get(6)?,
                             },
                             r.get::<_, String>(4)?,
                         ))
@@ -1972,8 +1973,9 @@ fn import_step(w: &mut Writer, records: &[copy::Record]) -> Result<(), StoreErro
                 if n == 1 {
                     for a in &j.attempts {
                         conn.prepare_cached(
-                            "INSERT INTO attempts (job_id, number, token, started_at, ended_at, outcome, error) \
-                             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                            "INSERT INTO attempts \
+                             (job_id, number, token, started_at, ended_at, outcome, error, plugin_version) \
+                             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
                         )?
                         .execute(params![
                             j.id,
@@ -1983,6 +1985,7 @@ fn import_step(w: &mut Writer, records: &[copy::Record]) -> Result<(), StoreErro
                             a.ended_at.map(|m| m.0),
                             a.outcome.as_str(),
                             a.error,
+                            a.plugin_version,
                         ])?;
                     }
                     let mut numbered: std::collections::HashMap<u32, i64> =

@@ -6,6 +6,7 @@
 //! | --- | --- | --- |
 //! | `loop` | `rounds` (100000), `pause_ms` (5) | puts `1`, `2`, ... into kv `counter`, one per round with a pause between; after the first put it logs `stale: looping`. At the first put that fails it calls every other effect once (kv get, insert-if-absent, delete; index upsert, remove, get in `docs`; email send; http send to provider `payments`), logs one line `stale-probe <json>` with what each answered, and returns that JSON. `Fail` if every round's put succeeded. |
 //! | `read` | | `{"counter": <kv counter as text, or null>, "probe": <kv probe, or null>}` |
+//! | `charge` | `order`, `pause_ms` (5) | attempt 1: logs `stale: charging later`, then puts `1`, `2`, ... into kv `tick:<order>` with a pause between until a put fails; then sends the charge anyway and logs one line `stale-charge <json>`, `{"put": <its error>, "http_send": "ok" or the error}`, and returns that JSON. Later attempts send the charge at once and return `{"status": <HTTP status>}`. The charge is `POST /v1/charges` to `payments`, key `stale-charge-<order>`. |
 //!
 //! The probe line's JSON: `{"last_ok": n, "refused_round": n + 1, "put": "fenced", "kv_get": ..., ...}`,
 //! each effect's value being `"ok"` or the effect-error's WIT name.
@@ -26,6 +27,11 @@ fn handle(job: Job) -> Result<Value, Error> {
     {
         "loop" => keep_calling(
             number_or(&payload, "rounds", 100_000),
+            number_or(&payload, "pause_ms", 5),
+        ),
+        "charge" => charge(
+            job.attempt(),
+            number_or(&payload, "order", 1),
             number_or(&payload, "pause_ms", 5),
         ),
         "read" => {
@@ -63,6 +69,38 @@ fn keep_calling(rounds: u64, pause_ms: u64) -> Result<Value, Error> {
     Err(Error::fail(format!(
         "all {rounds} puts succeeded: the attempt never lost its job"
     )))
+}
+
+/// See the table above: the first attempt holds its job until it loses it,
+/// then tries its effect.
+fn charge(attempt: u32, order: u64, pause_ms: u64) -> Result<Value, Error> {
+    let key = format!("stale-charge-{order}");
+    let request = || {
+        http::post("payments", "/v1/charges")
+            .header("content-type", "application/json")
+            .body(
+                format!(r#"{{"order_id":{order},"amount":100,"currency":"EUR","customer":"c"}}"#)
+                    .into_bytes(),
+            )
+    };
+    if attempt > 1 {
+        let response = http::send(key, request())?;
+        return Ok(json!({ "status": response.status }));
+    }
+    log::info("stale: charging later");
+    for round in 1u64.. {
+        if let Err(e) = kv::put(format!("tick:{order}"), round.to_string()) {
+            let sent = match http::send(key, request()) {
+                Ok(_) => "ok",
+                Err(e) => e.kind(),
+            };
+            let probe = json!({ "put": e.kind(), "http_send": sent });
+            log::info(format!("stale-charge {probe}"));
+            return Ok(probe);
+        }
+        std::thread::sleep(Duration::from_millis(pause_ms));
+    }
+    Err(Error::fail("unreachable: the rounds ran out"))
 }
 
 /// Calls every other effect once and notes what each answered.
