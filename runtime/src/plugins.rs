@@ -242,6 +242,10 @@ pub struct Watch {
     /// The watcher (kept alive) and its signals; `None` when polling.
     events: Option<(RecommendedWatcher, mpsc::UnboundedReceiver<Signal>)>,
     poll: tokio::time::Interval,
+    /// The signal being debounced and the latest moment of its scan. Kept
+    /// here, not in `next`'s future, so that a caller that races `next`
+    /// against other events (and drops it) never loses a received signal.
+    pending: Option<(Option<Signal>, Instant)>,
 }
 
 /// What the watcher's thread tells the scanning loop.
@@ -281,10 +285,13 @@ impl Watch {
             dir: dir.to_path_buf(),
             events,
             poll,
+            pending: None,
         }
     }
 
     /// Waits until the next scan is due, and says which kind.
+    /// Cancel-safe: dropped before it returns, the next call goes on where
+    /// it stopped.
     pub async fn next(&mut self) -> ScanKind {
         let Some((_, rx)) = self.events.as_mut() else {
             self.poll.tick().await;
@@ -295,21 +302,29 @@ impl Watch {
             }
             return ScanKind::Changed;
         };
-        let mut signal = rx.recv().await;
+        if self.pending.is_none() {
+            let signal = rx.recv().await;
+            self.pending = Some((signal, Instant::now() + DEBOUNCE_MAX));
+        }
         // Debounce: wait for DEBOUNCE without events (at most DEBOUNCE_MAX).
-        let deadline = Instant::now() + DEBOUNCE_MAX;
-        while signal == Some(Signal::Changed) {
+        while let Some((Some(Signal::Changed), deadline)) = self.pending {
             let quiet = DEBOUNCE.min(deadline.saturating_duration_since(Instant::now()));
             match tokio::time::timeout(quiet, rx.recv()).await {
-                Ok(next @ Some(_)) if Instant::now() < deadline => signal = next,
-                Ok(None) => signal = None,
-                _ => return ScanKind::Full,
+                Ok(next @ Some(_)) if Instant::now() < deadline => {
+                    self.pending = Some((next, deadline));
+                }
+                Ok(None) => self.pending = Some((None, deadline)),
+                _ => {
+                    self.pending = None;
+                    return ScanKind::Full;
+                }
             }
         }
+        let signal = self.pending.take().and_then(|(s, _)| s);
         if signal == Some(Signal::Retargeted) {
-            // Let the switch settle (a non-atomic `ln -sfn` removes, then
-            // creates), then watch the new target.
-            tokio::time::sleep(DEBOUNCE).await;
+            // A switch that removes the link before creating it again (`ln
+            // -sfn`) may leave nothing to watch yet: then the polling below
+            // finds the new target.
             if let Ok(w) = watch_dir(&self.dir) {
                 tracing::info!(dir = %self.dir.display(), "plugins_dir points elsewhere now; watching its new target");
                 self.events = Some(w);
