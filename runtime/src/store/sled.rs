@@ -805,12 +805,31 @@ impl SledStore {
             ))
         })?;
         let path = dir.join(DIR_NAME);
-        let db = sled::Config::new()
-            .path(&path)
-            // The writer is the only flusher (concurrent flushes deadlock).
-            .flush_every_ms(None)
-            .open()
-            .map_err(|e| unavailable(format!("opening {}: sled: {e}", path.display())))?;
+        // khata.lock, held above, keeps other processes out; sled's own lock
+        // on its file can still be held for a moment by the threads of a
+        // store of this process that was just dropped: wait for them.
+        let mut patience = 500;
+        let db = loop {
+            let opened = sled::Config::new()
+                .path(&path)
+                // The writer is the only flusher (concurrent flushes deadlock).
+                .flush_every_ms(None)
+                .open();
+            match opened {
+                // sled reports its lock taken as an `Other` I/O error.
+                Err(sled::Error::Io(e))
+                    if e.to_string().contains("could not acquire lock") && patience > 0 =>
+                {
+                    patience -= 1;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                other => {
+                    break other.map_err(|e| {
+                        unavailable(format!("opening {}: sled: {e}", path.display()))
+                    })?;
+                }
+            }
+        };
         let t = TREE_NAMES
             .iter()
             .map(|name| db.open_tree(name))
