@@ -580,6 +580,31 @@ async fn migrate_client(client: &mut tokio_postgres::Client) -> Result<Migrated,
 }
 
 impl PostgresStore {
+    /// A handler-facing read checked against `lease` in one statement, so
+    /// that the lease check and the read see one snapshot. `read` selects
+    /// one column by `$2` and `$3`; `Fenced` when the lease is not held.
+    async fn leased_read<T>(
+        &self,
+        lease: &LeaseRef,
+        read: &str,
+        a: &str,
+        b: &str,
+    ) -> Result<Option<T>, StoreError>
+    where
+        T: for<'r> tokio_postgres::types::FromSql<'r>,
+    {
+        let client = self.client().await?;
+        let sql = format!(
+            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
+                     AND lease_expires_at > clock_timestamp()), ({read})"
+        );
+        let r = rows(&client, &sql, &[&lease.job_id, &a, &b])
+            .await
+            .map_err(store_err)?;
+        let r = r.first().ok_or_else(|| unavailable("no row"))?;
+        holds(lease, r.try_get(0)?)?;
+        Ok(r.try_get(1)?)
+    }
     /// Opens the ledger at `url` with at most `pool` connections: applies
     /// pending migrations and registers this daemon in `daemons` under a
     /// new random id. Other daemons may use the same database.
@@ -2229,20 +2254,13 @@ impl Store for PostgresStore {
         ns: &str,
         key: &str,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        // One statement: the lease check and the read see one snapshot.
-        let client = self.client().await?;
-        let r = rows(
-            &client,
-            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
-                     AND lease_expires_at > clock_timestamp()), \
-                    (SELECT value FROM kv WHERE namespace = $2 AND key = $3)",
-            &[&lease.job_id, &ns, &key],
+        self.leased_read(
+            lease,
+            "SELECT value FROM kv WHERE namespace = $2 AND key = $3",
+            ns,
+            key,
         )
         .await
-        .map_err(store_err)?;
-        let r = r.first().ok_or_else(|| unavailable("no row"))?;
-        holds(lease, r.try_get(0)?)?;
-        Ok(r.try_get(1)?)
     }
 
     async fn kv_put(
@@ -2333,21 +2351,14 @@ impl Store for PostgresStore {
         collection: &str,
         id: &str,
     ) -> Result<Option<String>, StoreError> {
-        // One statement: the lease check and the read see one snapshot. A
-        // tombstone's document is NULL, as is a missing one's.
-        let client = self.client().await?;
-        let r = rows(
-            &client,
-            "SELECT (SELECT lease_token FROM jobs WHERE id = $1 AND state = 'active' \
-                     AND lease_expires_at > clock_timestamp()), \
-                    (SELECT document FROM index_docs WHERE collection = $2 AND id = $3)",
-            &[&lease.job_id, &collection, &id],
+        // A tombstone's document is NULL, as is a missing one's.
+        self.leased_read(
+            lease,
+            "SELECT document FROM index_docs WHERE collection = $2 AND id = $3",
+            collection,
+            id,
         )
         .await
-        .map_err(store_err)?;
-        let r = r.first().ok_or_else(|| unavailable("no row"))?;
-        holds(lease, r.try_get(0)?)?;
-        Ok(r.try_get(1)?)
     }
 
     async fn index_get(
