@@ -62,6 +62,20 @@ async fn bad_requests_are_refused_and_change_nothing() {
             "max_payload",
         ),
         (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "id": "a\u0000b"}"#.into(),
+            400,
+            "invalid_request",
+            "id must not contain a NUL",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "dedup_key": "\u0000"}"#.into(),
+            400,
+            "invalid_request",
+            "dedup_key must not contain a NUL",
+        ),
+        (
             "/v1/queues/nope/jobs",
             r#"{"payload": {}}"#.into(),
             404,

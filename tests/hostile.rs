@@ -209,6 +209,30 @@ async fn floods_and_oversized_results_are_bounded_and_cost_one_attempt() {
     let last = j["last_error"].as_str().unwrap();
     assert!(last.contains("memory limit"), "{last}");
 
+    // A 900 KB fail reason with NUL characters: the ledger keeps 4 KiB of
+    // it, NULs replaced (PostgreSQL's text cannot hold them), and says how
+    // much it dropped.
+    let j = run(
+        &d,
+        json!({"do": "fail_with", "message": "card\0declined ", "times": 50_000}),
+        "dead",
+    )
+    .await;
+    for error in [&j["last_error"], &j["attempts"][0]["error"]] {
+        let error = error.as_str().unwrap();
+        assert!(error.len() < 4096 + 64, "{} bytes kept", error.len());
+        assert!(!error.contains('\0'), "{error:.40}");
+        assert!(
+            error.starts_with("card\u{FFFD}declined card"),
+            "{error:.40}"
+        );
+        assert!(error.ends_with("more bytes dropped)"), "{error:.40}");
+    }
+    // A kv key with a NUL is refused at the host, naming the rule.
+    let j = run(&d, json!({"do": "kv_get", "key": "a\0b"}), "dead").await;
+    let last = j["last_error"].as_str().unwrap();
+    assert!(last.contains("must not contain a NUL"), "{last}");
+
     // A batch with one payload over max_payload (1 KiB): refused whole,
     // naming the job and the limit.
     let big = "x".repeat(2000);
@@ -234,7 +258,7 @@ async fn floods_and_oversized_results_are_bounded_and_cost_one_attempt() {
         counts["completed"], 3,
         "only the floods completed: {counts}"
     );
-    assert_eq!(counts["dead"], 2, "{counts}");
+    assert_eq!(counts["dead"], 4, "{counts}");
     assert_eq!(counts["waiting"], 0, "the refused batch enqueued nothing");
 }
 

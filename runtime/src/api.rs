@@ -253,6 +253,11 @@ fn new_job(
             Some(s) if s.is_empty() || s.len() > 512 => Err(ApiError::bad_request(format!(
                 "{field}{name} must be 1 to 512 bytes"
             ))),
+            // PostgreSQL's text cannot hold NUL; refusing it here keeps every
+            // backend's ledger able to take the same ids.
+            Some(s) if s.contains('\0') => Err(ApiError::bad_request(format!(
+                "{field}{name} must not contain a NUL character"
+            ))),
             _ => Ok(()),
         }
     };

@@ -142,6 +142,11 @@ fn check_key(what: &str, key: &str) -> Result<(), EffectError> {
             key.len()
         )));
     }
+    if key.contains('\0') {
+        return Err(EffectError::Invalid(format!(
+            "{what} must not contain a NUL character"
+        )));
+    }
     Ok(())
 }
 

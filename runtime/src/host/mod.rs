@@ -472,8 +472,10 @@ impl Host {
                     RunOutcome::Ok(result)
                 }
             }
-            Ok(Ok(Err(bindings::JobError::Retry(reason)))) => RunOutcome::Retry(reason),
-            Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(reason),
+            Ok(Ok(Err(bindings::JobError::Retry(reason)))) => {
+                RunOutcome::Retry(guest_reason(reason))
+            }
+            Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(guest_reason(reason)),
             Ok(Err(trap)) => classify_trap(&trap, limits, &stderr.contents().0),
         };
         let log = &store.data().log;
@@ -490,6 +492,27 @@ impl Host {
         log_stdio(&job.id, job.attempt, &plugin.name, "stderr", &stderr);
         outcome
     }
+}
+
+/// The most of a guest's retry or fail reason that is kept in the ledger.
+pub const MAX_REASON: usize = 4096;
+
+/// A guest's reason as the ledger keeps it: at most [`MAX_REASON`] bytes
+/// (cut at a character boundary, with the number of bytes dropped said), and
+/// no NUL character (replaced by U+FFFD, which every backend's text takes).
+fn guest_reason(reason: String) -> String {
+    let mut reason = if reason.contains('\0') {
+        reason.replace('\0', "\u{FFFD}")
+    } else {
+        reason
+    };
+    if reason.len() > MAX_REASON {
+        let cut = reason.floor_char_boundary(MAX_REASON);
+        let dropped = reason.len() - cut;
+        reason.truncate(cut);
+        reason.push_str(&format!("… ({dropped} more bytes dropped)"));
+    }
+    reason
 }
 
 /// wasmtime's compilation cache in `dir`, made absolute (wasmtime requires it).
@@ -559,5 +582,31 @@ fn log_stdio(job_id: &str, attempt: u32, plugin: &str, stream: &str, capture: &C
             dropped,
             "guest output truncated past {STDIO_CAPTURE} bytes"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{MAX_REASON, guest_reason};
+
+    #[test]
+    fn a_guest_reason_is_bounded_at_a_character_boundary_and_loses_its_nuls() {
+        assert_eq!(
+            guest_reason("card\0declined".into()),
+            "card\u{FFFD}declined"
+        );
+        assert_eq!(guest_reason("short".into()), "short");
+        // 'é' is two bytes: a cut in its middle moves back before it.
+        let long = format!("{}é{}", "x".repeat(MAX_REASON - 1), "y".repeat(10));
+        let kept = guest_reason(long.clone());
+        assert!(kept.starts_with(&"x".repeat(MAX_REASON - 1)));
+        assert!(
+            kept.ends_with(&format!(
+                "… ({} more bytes dropped)",
+                long.len() - (MAX_REASON - 1)
+            )),
+            "{kept:.50}…"
+        );
+        assert!(!kept.contains('é'));
     }
 }

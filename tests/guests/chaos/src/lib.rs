@@ -46,6 +46,7 @@ fn handle(job: Job) -> Result<Value, Error> {
     match what.as_str().unwrap_or_default() {
         "echo" => Ok(payload),
         "fail" => Err(Error::fail("asked to fail")),
+        "fail_with" => Err(Error::fail(fail_with(&payload)?)),
         "retry" => Err(Error::retry("asked to retry")),
         "retry_until" => retry_until(&job, number(&payload, "n")?),
         "trap" => panic!("chaos trap"),
@@ -232,6 +233,12 @@ fn number_or(payload: &Value, field: &str, default: u64) -> Result<u64, Error> {
         None => Ok(default),
         Some(_) => number(payload, field),
     }
+}
+
+/// `message` repeated `times` times (default once).
+fn fail_with(payload: &Value) -> Result<String, Error> {
+    let times = payload.get("times").and_then(Value::as_u64).unwrap_or(1);
+    Ok(text(payload, "message")?.repeat(to_usize(times)?))
 }
 
 fn text<'a>(payload: &'a Value, field: &str) -> Result<&'a str, Error> {
