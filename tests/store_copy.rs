@@ -1,4 +1,4 @@
-//! `khata store copy` (DESIGN 10): a ledger moves between SQLite and
+//! `khata store copy` (DESIGN 10): a ledger moves between SQLite, sled and
 //! PostgreSQL with its jobs, attempts, effects, dedup keys, fences and kv, so
 //! that a charge made before the move is replayed, not made again, after it.
 //! The real daemon does the work on both sides; the copies are checked with
@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 
+use khata::store::copy::{self, Counters};
 use khata::store::postgres::testing::TestDatabase;
 use serde_json::{Value, json};
 use servers::Payments;
@@ -211,6 +212,17 @@ async fn pg_snapshot(db: &TestDatabase) -> Snapshot {
     out
 }
 
+/// A copy from the ledger of `config`, whose daemon runs, into `target`
+/// is refused, and makes no target.
+fn refused_in_use(config: &str, target: &Path) {
+    let out = copy(&["--from", config, "--to", target.to_str().unwrap()], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("stop the daemon"), "{stderr}");
+    assert!(stderr.contains("another khata daemon"), "{stderr}");
+    assert!(!target.exists(), "nothing was written");
+}
+
 fn rows<'a>(s: &'a Snapshot, table: &str) -> &'a [Vec<Option<String>>] {
     s.get(table).map_or(&[], Vec::as_slice)
 }
@@ -366,12 +378,7 @@ async fn copy_refuses_a_ledger_in_use_and_a_target_that_is_not_empty() {
     let target = dir.path().join("target");
 
     // The daemon holds the ledger's lock: refused, and no target made.
-    let out = copy(&["--from", config, "--to", target.to_str().unwrap()], &[]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
-    let stderr = text(&out.stderr);
-    assert!(stderr.contains("stop the daemon"), "{stderr}");
-    assert!(stderr.contains("another khata daemon"), "{stderr}");
-    assert!(!target.exists(), "nothing was written");
+    refused_in_use(config, &target);
 
     // A job left active by kill -9 is recovered first, as a start would.
     let sleeper = d
@@ -449,4 +456,218 @@ async fn copy_refuses_a_ledger_in_use_and_a_target_that_is_not_empty() {
     assert!(stderr.contains("2 jobs are active"), "{stderr}");
     assert!(stderr.contains("stop the daemons"), "{stderr}");
     assert!(!elsewhere.exists(), "nothing was written");
+}
+
+const ON_SLED: &str = "[store]\nbackend = \"sled\"\n\n";
+
+/// Every record `store` exports but its counters, as JSON and sorted (the
+/// backends' key orders differ), and its counters.
+async fn exported(store: &dyn khata::store::Store) -> (Vec<String>, Counters) {
+    let mut records = Vec::new();
+    let mut counters = Counters::default();
+    copy::walk(store, 7, |page| {
+        for r in page {
+            match r {
+                copy::Record::Counters(c) => counters = c,
+                r => records.push(serde_json::to_string(&r).expect("a record is JSON")),
+            }
+        }
+        Ok(())
+    })
+    .await
+    .expect("export");
+    records.sort();
+    (records, counters)
+}
+
+/// The export of the sled ledger in `data_dir` (no daemon may hold it).
+async fn sled_export(data_dir: &Path) -> (Vec<String>, Counters) {
+    let store = khata::store::sled::SledStore::open(data_dir).expect("open the sled ledger");
+    exported(&store).await
+}
+
+async fn sqlite_export(data_dir: &Path) -> (Vec<String>, Counters) {
+    let store = khata::store::sqlite::SqliteStore::open(data_dir).expect("open the SQLite ledger");
+    exported(&store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sled_to_sqlite_and_back_to_sled_keeps_every_record_and_replays_the_charges() {
+    let payments = Payments::start().await;
+    let mut src = start(&format!("{ON_SLED}{}", queues(&payments.url())), None).await;
+    let before = charge_and_index(&src, "s").await;
+    let config = src.config_path();
+    let config = config.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let moved = dir.path().join("moved");
+
+    // The daemon holds the sled ledger's lock: refused, nothing made.
+    refused_in_use(config, &moved);
+    src.terminate();
+    assert_eq!(
+        payments.requests().len(),
+        5,
+        "five orders charged once each"
+    );
+
+    let sled_dir = src.dir.path().join("data");
+    let (source, source_counters) = sled_export(&sled_dir).await;
+    let count = |kind: &str| {
+        source
+            .iter()
+            .filter(|r| r.starts_with(&format!("{{\"record\":\"{kind}\"")))
+            .count()
+    };
+    assert_eq!(
+        (
+            count("job"),
+            count("dedup"),
+            count("fence"),
+            count("kv"),
+            count("index")
+        ),
+        (8, 1, 5, 3, 3),
+        "{source:#?}"
+    );
+
+    // sled → SQLite, the source named by its data directory.
+    let out = copy(
+        &[
+            "--from",
+            sled_dir.to_str().unwrap(),
+            "--to",
+            moved.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let summary = assert_copied(&out);
+    assert!(
+        summary.contains(&format!(
+            "copied sled {}",
+            sled_dir.join("ledger.sled").display()
+        )),
+        "{summary}"
+    );
+    assert!(summary.contains("(completed 8)"), "{summary}");
+    assert!(summary.contains("(done 5)"), "{summary}");
+    assert!(moved.join("khata.db").is_file());
+    let (on_sqlite, sqlite_counters) = sqlite_export(&moved).await;
+    assert_eq!(source, on_sqlite, "SQLite holds what sled held");
+    assert!(sqlite_counters.fencing_token >= source_counters.fencing_token);
+    assert!(sqlite_counters.enqueue_seq >= source_counters.enqueue_seq);
+
+    // sled → PostgreSQL: the same rows as the SQLite copy.
+    let db = TestDatabase::create().await;
+    let out = copy(
+        &["--from", config, "--to-env", "KHATA_COPY_TO"],
+        &[("KHATA_COPY_TO", &db.url)],
+    );
+    assert_copied(&out);
+    assert_eq!(sqlite_snapshot(&moved), pg_snapshot(&db).await);
+
+    // SQLite → a fresh sled ledger, named by the jobs.toml of the daemon
+    // that will serve it.
+    let mut dst = Daemon::prepare(&format!("{ON_SLED}{}", queues(&payments.url())), PLUGINS);
+    let dst_config = dst.config_path();
+    let out = copy(
+        &[
+            "--from",
+            moved.to_str().unwrap(),
+            "--to",
+            dst_config.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let summary = assert_copied(&out);
+    assert!(summary.contains("to sled "), "{summary}");
+    let dst_dir = dst.dir.path().join("data");
+    let (back, back_counters) = sled_export(&dst_dir).await;
+    assert_eq!(source, back, "the round trip keeps every record");
+    assert!(back_counters.fencing_token >= source_counters.fencing_token);
+    assert!(back_counters.enqueue_seq >= source_counters.enqueue_seq);
+
+    // A second copy into it is refused: the target is not empty.
+    let out = copy(
+        &[
+            "--from",
+            moved.to_str().unwrap(),
+            "--to",
+            dst_dir.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("is not empty"), "{stderr}");
+    assert_eq!(source, sled_export(&dst_dir).await.0, "and changed nothing");
+
+    // The daemon on the copied sled ledger replays the same orders, under
+    // new job ids, from the copied fences.
+    dst.start().await;
+    for q in ["charge", "idx", "slow"] {
+        dst.wait_plugin(q).await;
+    }
+    for (i, old) in (1..=5).zip(&before) {
+        let id = dst
+            .enqueue(
+                "charge",
+                json!({"id": format!("t-charge-{i}"), "payload": order(i)}),
+            )
+            .await;
+        let j = dst.wait_state(&id, "completed", 60).await;
+        assert_eq!(j["result"]["replayed"], true, "{j}");
+        assert_eq!(j["result"]["charge"], old["result"]["charge"], "{j}");
+        let token = j["attempts"][0]["fencing_token"].as_u64().unwrap();
+        assert!(
+            token > source_counters.fencing_token,
+            "fencing tokens go on from the source's ({token} after {})",
+            source_counters.fencing_token
+        );
+    }
+    assert_eq!(
+        payments.requests().len(),
+        5,
+        "no order was charged a second time"
+    );
+    assert_eq!(payments.charges(), 5);
+    let j = dst.job("s-charge-3").await;
+    assert_eq!(j["result"], before[2]["result"]);
+    assert_eq!(j["attempts"], before[2]["attempts"]);
+    let (status, v) = dst
+        .call(
+            "POST",
+            "/v1/queues/charge/jobs",
+            Some(json!({"payload": order(6), "dedup_key": "order-5"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["job"]["id"], "s-charge-5",
+        "the held dedup key holds: {v}"
+    );
+    dst.terminate();
+}
+
+#[test]
+fn a_data_dir_without_a_ledger_is_refused_as_a_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = copy(
+        &[
+            "--from",
+            empty.to_str().unwrap(),
+            "--to",
+            dir.path().join("t").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("there is no ledger there"), "{stderr}");
+    assert!(
+        stderr.contains("khata.db") && stderr.contains("ledger.sled"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("t").exists(), "nothing was written");
 }

@@ -224,12 +224,13 @@ pub enum StoreCommand {
     /// Copy a ledger, fences and all, into an empty one; verify; print a summary
     ///
     /// SOURCE and TARGET are each a jobs.toml (the ledger its [store] and
-    /// data_dir name), a data directory (a SQLite ledger), or a PostgreSQL
+    /// data_dir name), a data directory (the SQLite or sled ledger it holds;
+    /// a target holding neither gets SQLite), or a PostgreSQL
     /// URL (postgres://...). --from-env and --to-env name an environment
     /// variable that holds the URL instead, so that a password stays off the
     /// command line.
     ///
-    /// The source's lock is taken (a SQLite ledger a daemon uses is refused),
+    /// The source's lock is taken (a SQLite or sled ledger a daemon uses is refused),
     /// and jobs a crash left active are recovered first, as the daemon's start
     /// would; a PostgreSQL source with active jobs is refused. The target
     /// must be empty. Jobs with their attempts and effects, dedup keys,
@@ -245,7 +246,7 @@ pub enum StoreCommand {
 #[command(group(clap::ArgGroup::new("source").required(true).args(["from", "from_env"])))]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["to", "to_env"])))]
 pub struct CopyArgs {
-    /// The ledger to copy: a jobs.toml, a data directory or a PostgreSQL URL
+    /// The ledger to copy: a jobs.toml, a data directory (SQLite or sled) or a PostgreSQL URL
     #[arg(long, value_name = "SOURCE")]
     pub from: Option<String>,
 
@@ -253,7 +254,7 @@ pub struct CopyArgs {
     #[arg(long, value_name = "VAR")]
     pub from_env: Option<String>,
 
-    /// The empty ledger to copy into: a jobs.toml, a data directory or a PostgreSQL URL
+    /// The empty ledger to copy into: a jobs.toml, a data directory (SQLite unless it holds sled) or a PostgreSQL URL
     #[arg(long, value_name = "TARGET")]
     pub to: Option<String>,
 

@@ -228,7 +228,9 @@ pub fn store_migrate(config_path: &Path) -> anyhow::Result<()> {
 pub enum LedgerAt {
     /// The ledger a jobs.toml configures (`[store]`, `[daemon] data_dir`).
     Config(PathBuf),
-    /// The data directory of a SQLite ledger (`khata.db`).
+    /// The data directory of an embedded ledger: SQLite (`khata.db`) or
+    /// sled (`ledger.sled`), whichever it holds; a target that holds
+    /// neither gets SQLite, the default.
     DataDir(PathBuf),
     /// A PostgreSQL database. `named` says where the URL came from, for
     /// messages that must not repeat it (it may hold a password).
@@ -274,12 +276,50 @@ impl LedgerAt {
 /// A ledger's backend and address, once a jobs.toml is read.
 enum Located {
     Sqlite(PathBuf),
+    Sled(PathBuf),
     Postgres { url: String, named: String },
 }
 
-fn locate(at: &LedgerAt, flag: &str) -> anyhow::Result<Located> {
+impl Located {
+    /// The data directory of an embedded ledger.
+    fn data_dir(&self) -> Option<&Path> {
+        match self {
+            Located::Sqlite(dir) | Located::Sled(dir) => Some(dir),
+            Located::Postgres { .. } => None,
+        }
+    }
+}
+
+/// The embedded ledger a data directory holds, by the files each backend
+/// keeps there. A source must hold exactly one; a target that holds neither
+/// gets SQLite.
+fn embedded_in(dir: &Path, flag: &str, source: bool) -> anyhow::Result<Located> {
+    let sqlite = dir.join("khata.db");
+    let sled = dir.join(crate::store::sled::DIR_NAME);
+    match (sqlite.exists(), sled.exists()) {
+        (true, true) => anyhow::bail!(
+            "{flag} {}: the directory holds both a SQLite ledger ({}) and a sled ledger ({}); \
+             name a jobs.toml whose [store] backend says which",
+            dir.display(),
+            sqlite.display(),
+            sled.display()
+        ),
+        (true, false) => Ok(Located::Sqlite(dir.to_owned())),
+        (false, true) => Ok(Located::Sled(dir.to_owned())),
+        (false, false) if source => anyhow::bail!(
+            "{flag} {}: there is no ledger there (neither a SQLite ledger, {}, nor a sled \
+             ledger, {})",
+            dir.display(),
+            sqlite.display(),
+            sled.display()
+        ),
+        (false, false) => Ok(Located::Sqlite(dir.to_owned())),
+    }
+}
+
+fn locate(at: &LedgerAt, flag: &str, source: bool) -> anyhow::Result<Located> {
     Ok(match at {
-        LedgerAt::DataDir(dir) => Located::Sqlite(dir.clone()),
+        LedgerAt::DataDir(dir) => embedded_in(dir, flag, source)?,
         LedgerAt::Postgres { url, named } => Located::Postgres {
             url: url.clone(),
             named: named.clone(),
@@ -287,10 +327,7 @@ fn locate(at: &LedgerAt, flag: &str) -> anyhow::Result<Located> {
         LedgerAt::Config(path) => {
             let config = Config::load(path).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
             match config.store.backend {
-                Backend::Sled => anyhow::bail!(
-                    "{flag}: {}: store.backend = \"sled\": khata store copy moves SQLite and PostgreSQL ledgers; a sled ledger cannot be copied yet",
-                    path.display()
-                ),
+                Backend::Sled => Located::Sled(config.daemon.data_dir.clone()),
                 Backend::Postgres => Located::Postgres {
                     url: postgres_url(&config).with_context(|| flag.to_owned())?,
                     named: format!("store.url of {}", path.display()),
@@ -309,24 +346,33 @@ async fn open_for_copy(
     source: bool,
 ) -> anyhow::Result<(Arc<dyn Store>, String)> {
     Ok(match at {
-        Located::Sqlite(dir) => {
-            let db = dir.join("khata.db");
-            if source && !db.is_file() {
+        Located::Sqlite(dir) | Located::Sled(dir) => {
+            let sled = matches!(at, Located::Sled(_));
+            let (kind, db) = if sled {
+                ("sled", dir.join(crate::store::sled::DIR_NAME))
+            } else {
+                ("sqlite", dir.join("khata.db"))
+            };
+            if source && !db.exists() {
                 anyhow::bail!(
-                    "{flag} {}: there is no ledger there ({} does not exist)",
+                    "{flag} {}: there is no {kind} ledger there ({} does not exist)",
                     dir.display(),
                     db.display()
                 );
             }
             // Taking the lock refuses while a daemon uses the directory.
-            let store = SqliteStore::open(dir).with_context(|| {
+            let opened: Result<Arc<dyn Store>, crate::store::StoreError> = if sled {
+                SledStore::open(dir).map(|s| Arc::new(s) as _)
+            } else {
+                SqliteStore::open(dir).map(|s| Arc::new(s) as _)
+            };
+            let store = opened.with_context(|| {
                 format!(
-                    "{flag} {}: cannot open the ledger; stop the daemon that uses it first",
+                    "{flag} {}: cannot open the {kind} ledger; stop the daemon that uses it first",
                     dir.display()
                 )
             })?;
-            let name = format!("sqlite {}", store.path().display());
-            (Arc::new(store), name)
+            (store, format!("{kind} {}", db.display()))
         }
         Located::Postgres { url, named } => {
             let store = PostgresStore::open(url, 4)
@@ -344,15 +390,20 @@ async fn open_for_copy(
 /// written; a copy that fails part-way leaves a target that a later copy
 /// refuses as not empty (start again from an empty one).
 pub fn store_copy(from: &LedgerAt, to: &LedgerAt, page: u32) -> anyhow::Result<()> {
-    let source = locate(from, "--from")?;
-    let target = locate(to, "--to")?;
+    let source = locate(from, "--from", true)?;
+    let target = locate(to, "--to", false)?;
     let same = match (&source, &target) {
-        (Located::Sqlite(a), Located::Sqlite(b)) => {
-            std::path::absolute(a).ok() == std::path::absolute(b).ok()
-                || (a.exists() && std::fs::canonicalize(a).ok() == std::fs::canonicalize(b).ok())
-        }
         (Located::Postgres { url: a, .. }, Located::Postgres { url: b, .. }) => a == b,
-        _ => false,
+        // One data directory has one lock: even two backends in it cannot
+        // both be opened by one copy.
+        (a, b) => match (a.data_dir(), b.data_dir()) {
+            (Some(a), Some(b)) => {
+                std::path::absolute(a).ok() == std::path::absolute(b).ok()
+                    || (a.exists()
+                        && std::fs::canonicalize(a).ok() == std::fs::canonicalize(b).ok())
+            }
+            _ => false,
+        },
     };
     if same {
         anyhow::bail!("--from and --to name the same ledger");
@@ -365,7 +416,7 @@ pub fn store_copy(from: &LedgerAt, to: &LedgerAt, page: u32) -> anyhow::Result<(
         match &source {
             // As the daemon's start would: an attempt a crash left running is
             // closed as abandoned, its job waiting again (or dead).
-            Located::Sqlite(_) => {
+            Located::Sqlite(_) | Located::Sled(_) => {
                 let recovered = from_store.recover(Millis::now()).await?;
                 if recovered > 0 {
                     eprintln!(

@@ -101,6 +101,12 @@ impl Cursor {
     }
 }
 
+/// What an export page is asked for, made whole: `None` is the start, and
+/// a page holds 1 to 10,000 records.
+pub fn page_request(cursor: Option<Cursor>, limit: u32) -> (Cursor, u32) {
+    (cursor.unwrap_or_else(Cursor::start), limit.clamp(1, 10_000))
+}
+
 /// The query of one export page of a section keyed by `keys`: `select`
 /// (`SELECT ... FROM table`) with the rows after `after` in key order, at
 /// most as many as the last parameter says. The parameters are the parts of
@@ -187,6 +193,33 @@ pub struct JobRecord {
     pub attempts: Vec<AttemptRecord>,
     /// In the order recorded.
     pub effects: Vec<EffectRow>,
+}
+
+impl JobRecord {
+    /// The state to store: `delayed` is derived from `run_at`, never
+    /// stored, so an exported `delayed` is stored `waiting`.
+    pub fn stored_state(&self) -> JobState {
+        if self.state == JobState::Delayed {
+            JobState::Waiting
+        } else {
+            self.state
+        }
+    }
+
+    /// The job's effects, each with its number within its attempt (from 1,
+    /// in the order recorded), as a backend that keys effects by (attempt,
+    /// n) stores them.
+    pub fn numbered_effects(&self) -> Vec<(u32, &EffectRow)> {
+        let mut next: BTreeMap<u32, u32> = BTreeMap::new();
+        self.effects
+            .iter()
+            .map(|e| {
+                let n = next.entry(e.attempt).or_default();
+                *n += 1;
+                (*n, e)
+            })
+            .collect()
+    }
 }
 
 /// A dedup key and the job it points at (which may be gone while

@@ -2540,8 +2540,7 @@ impl Store for PostgresStore {
         cursor: Option<copy::Cursor>,
         limit: u32,
     ) -> Result<copy::ExportPage, StoreError> {
-        let cursor = cursor.unwrap_or_else(copy::Cursor::start);
-        let limit = limit.clamp(1, 10_000);
+        let (cursor, limit) = copy::page_request(cursor, limit);
         step!(self, Mode::Read, |tx| export_page(&tx, &cursor, limit)
             .await)
     }
@@ -2840,11 +2839,7 @@ async fn import_page<C: GenericClient>(c: &C, records: &[copy::Record]) -> Resul
     for record in records {
         let inserted = match record {
             Record::Job(j) => {
-                let state = if j.state == JobState::Delayed {
-                    JobState::Waiting
-                } else {
-                    j.state
-                };
+                let state = j.stored_state();
                 let n = exec(
                     c,
                     "INSERT INTO jobs (id, queue, state, payload, priority, run_at, seq, attempt, \

@@ -1663,9 +1663,8 @@ impl Store for SqliteStore {
         cursor: Option<copy::Cursor>,
         limit: u32,
     ) -> Result<copy::ExportPage, StoreError> {
-        let cursor = cursor.unwrap_or_else(copy::Cursor::start);
-        self.read(move |c| export_page(c, &cursor, limit.clamp(1, 10_000)))
-            .await
+        let (cursor, limit) = copy::page_request(cursor, limit);
+        self.read(move |c| export_page(c, &cursor, limit)).await
     }
 
     async fn import(&self, records: Vec<copy::Record>) -> Result<(), StoreError> {
@@ -1939,12 +1938,7 @@ fn import_step(w: &mut Writer, records: &[copy::Record]) -> Result<(), StoreErro
     for record in records {
         let inserted = match record {
             Record::Job(j) => {
-                // `delayed` is derived, never stored.
-                let state = if j.state == JobState::Delayed {
-                    JobState::Waiting
-                } else {
-                    j.state
-                };
+                let state = j.stored_state();
                 let n = conn
                     .prepare_cached(
                         "INSERT OR IGNORE INTO jobs (id, queue, state, payload, priority, run_at, seq, \
@@ -1988,16 +1982,12 @@ fn import_step(w: &mut Writer, records: &[copy::Record]) -> Result<(), StoreErro
                             a.plugin_version,
                         ])?;
                     }
-                    let mut numbered: std::collections::HashMap<u32, i64> =
-                        std::collections::HashMap::new();
-                    for e in &j.effects {
-                        let n = numbered.entry(e.attempt).or_default();
-                        *n += 1;
+                    for (n, e) in j.numbered_effects() {
                         conn.prepare_cached(
                             "INSERT INTO effects (job_id, attempt, n, kind, key, outcome, at) \
                              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                         )?
-                        .execute(params![j.id, e.attempt, *n, e.kind, e.key, e.outcome, e.at.0])?;
+                        .execute(params![j.id, e.attempt, n, e.kind, e.key, e.outcome, e.at.0])?;
                     }
                 }
                 n
