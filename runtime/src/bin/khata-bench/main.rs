@@ -20,7 +20,12 @@
 //! 5. seconds from restarting a `kill -9`ed daemon to the first redelivery.
 //! 6. the daemon's RSS with a backlog of waiting jobs, the bulk enqueue rate,
 //!    and figure 1 again with that backlog, against a backlog of 10,000:
-//!    100,000 by default, 1,000,000 with `--million`.
+//!    100,000 by default, 1,000,000 with `--million`; the ledger's size on
+//!    disk with the backlog waiting (the data directory but the code cache),
+//!    and the reopen time: the daemon killed with `kill -9` holding the
+//!    backlog, its queue given `echo`, and the time from spawning the daemon
+//!    again to the first job of the backlog completed (the ledger opened,
+//!    recovered and leasing), with the time to healthy beside it.
 //! 7. effects, durable, concurrency 16, 10,000 jobs due at once
 //!    (`--effect-jobs`): jobs/s of `welcome_email` through the outbox, and
 //!    through SMTP to a local aiosmtpd sink (python3 with aiosmtpd, as the
@@ -57,6 +62,8 @@
 //! that other processes used while figures were measured: other work on the
 //! machine lowers every figure.
 
+mod store;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -74,6 +81,8 @@ use khata::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome, Safeguar
 use khata::job::{LeaseRef, Millis, NewJob};
 use khata::store::Store;
 use khata::store::sqlite::SqliteStore;
+
+mod postgres;
 
 /// Jobs drained in figures 1, 2 and 6.
 const DRAIN_JOBS: usize = 20_000;
@@ -135,11 +144,16 @@ struct Args {
     /// Fenced calls, and as many bare ones, timed in figure 7d.
     #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
     fenced_calls: u64,
-    /// The daemon's embedded store (`[store] backend`) in every figure that
-    /// runs the daemon (1-3, 5-7c); figures 4 and 7d run in this process on
-    /// SQLite whatever this says.
-    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "sled"])]
+    /// The daemon's store (`[store] backend`) in every figure that runs the
+    /// daemon (1-3, 5-7c); figures 4 and 7d run in this process on SQLite
+    /// whatever this says. `postgres` runs figures 1, 2, 3 and 5 of its own
+    /// (see `postgres.rs`) on `KHATA_BENCH_PG_URL` or a throwaway server.
+    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "sled", "postgres"])]
     backend: String,
+    /// With `--backend postgres`: the numbers of daemons on one database
+    /// that figures 1 and 2 drain with, e.g. `--daemons 1,2`.
+    #[arg(long, value_delimiter = ',', default_values_t = [1u64, 2, 3], value_parser = clap::value_parser!(u64).range(1..=8))]
+    daemons: Vec<u64>,
 }
 
 #[tokio::main]
@@ -157,6 +171,9 @@ async fn main() -> anyhow::Result<()> {
     let load: Vec<&str> = load.split_whitespace().take(3).collect();
     println!("load average before the run: {}", load.join(" "));
     println!("store: {}", args.backend);
+    if let Some(settings) = postgres::SETTINGS.lock().ok().and_then(|s| s.clone()) {
+        println!("{settings}");
+    }
     let others = OTHERS.lock().map_or(0.0, |o| *o);
     println!("CPU used by other processes while measuring: {others:.1} s");
     println!();
@@ -166,6 +183,9 @@ async fn main() -> anyhow::Result<()> {
 
 /// Runs the chosen figures in order and returns their rows.
 async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
+    if args.backend == "postgres" {
+        return postgres::run(bench, args).await;
+    }
     let wanted = |n: u8| args.only.is_empty() || args.only.contains(&n);
     let mut rows = Vec::new();
     if wanted(1) {
@@ -375,6 +395,14 @@ async fn figure_backlog(bench: &Bench, backlog: usize) -> anyhow::Result<Vec<Row
         large.jobs_per_second,
         small.jobs_per_second
     ));
+    note(format!(
+        "6: ledger with {n} waiting: {}; after kill -9: {}",
+        large.disk, large.reopen
+    ));
+    note(format!(
+        "6: ledger with 10,000 waiting: {}; after kill -9: {}",
+        small.disk, small.reopen
+    ));
     let rss_target = if backlog < 1_000_000 {
         "≤ 128 MiB (at 1,000,000)"
     } else {
@@ -401,6 +429,18 @@ async fn figure_backlog(bench: &Bench, backlog: usize) -> anyhow::Result<Vec<Row
                 (ratio - 1.0) * 100.0
             ),
             ratio >= 0.8,
+        ),
+        Row::report(
+            &format!("6d. ledger on disk with {n} waiting jobs"),
+            large.disk.to_string(),
+        ),
+        Row::report(
+            &format!("6e. reopen after kill -9 with {n} waiting (spawn to first backlog job done)"),
+            format!(
+                "{} (healthy in {})",
+                millis(large.reopen.first_job),
+                millis(large.reopen.healthy)
+            ),
         ),
     ])
 }
@@ -1360,11 +1400,14 @@ struct Backlog {
     rss_mib: f64,
     peak_mib: f64,
     jobs_per_second: Spread,
+    disk: store::Disk,
+    reopen: store::Reopen,
 }
 
-/// Fills a parked queue with `waiting` jobs, then drains echo jobs past them.
+/// Fills a parked queue with `waiting` jobs, then drains echo jobs past them;
+/// last, restarts the daemon after `kill -9` on that backlog.
 async fn with_backlog(bench: &Bench, waiting: usize) -> anyhow::Result<Backlog> {
-    let daemon = bench
+    let mut daemon = bench
         .daemon(&format!("{ECHO_QUEUE}{PARKED_QUEUE}"), &["echo"])
         .await?;
     note(format!(
@@ -1373,6 +1416,7 @@ async fn with_backlog(bench: &Bench, waiting: usize) -> anyhow::Result<Backlog> 
     ));
     let enqueue_rate = enqueue_batches(&daemon.api, "parked", waiting, 8).await?;
     let rss_mib = daemon.memory("VmRSS")?;
+    let disk = store::ledger_disk(&daemon)?;
     let asked = Instant::now();
     daemon.api.counts("parked").await?;
     note(format!(
@@ -1385,11 +1429,14 @@ async fn with_backlog(bench: &Bench, waiting: usize) -> anyhow::Result<Backlog> 
     }
     let jobs_per_second = Spread::of(rates);
     let peak_mib = daemon.memory("VmHWM")?;
+    let reopen = store::reopen(&mut daemon, "parked", "absent").await?;
     Ok(Backlog {
         enqueue_rate,
         rss_mib,
         peak_mib,
         jobs_per_second,
+        disk,
+        reopen,
     })
 }
 
