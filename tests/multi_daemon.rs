@@ -458,3 +458,125 @@ async fn a_schedule_fires_once_across_daemons() {
         d.terminate();
     }
 }
+
+/// Enqueues `payloads` into `queue`, in turn through each daemon.
+async fn enqueue_spread(ds: &[Daemon], queue: &str, payloads: Vec<Value>) {
+    for (i, p) in payloads.into_iter().enumerate() {
+        let (status, v) = ds[i % ds.len()]
+            .call("POST", &format!("/v1/queues/{queue}/jobs"), Some(p))
+            .await;
+        assert_eq!(status, 201, "{v}");
+    }
+}
+
+/// `concurrency` holds across daemons: three daemons serve one queue with
+/// `concurrency = 2`, and each attempt holds its slot through a slow charge.
+/// The payment server sees at most two charges in flight (each daemon alone
+/// would allow two: six in all), and does see two at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_holds_across_daemons() {
+    const ORDERS: usize = 24;
+    let db = TestDatabase::create().await;
+    let payments = Payments::start_with_delay(Duration::from_millis(300)).await;
+    let queues = format!(
+        "[queues.charge]\nplugin = \"charge_customer\"\nconcurrency = 2\n\
+         grants = {{ http = [\"payments\"] }}\n\n{}",
+        payments_provider(&payments)
+    );
+    let mut ds = prepare(3, &db, &queues, &[("charge_customer", "charge_customer")]);
+    for d in &mut ds {
+        d.start().await;
+        d.wait_plugin("charge").await;
+    }
+    let orders = (0..ORDERS)
+        .map(|i| json!({"id": format!("order-{i}"), "payload": {"order_id": i, "amount": 100, "currency": "EUR", "customer": "c"}}))
+        .collect();
+    enqueue_spread(&ds, "charge", orders).await;
+    let logs: Vec<&Daemon> = ds.iter().collect();
+    wait_sql(
+        &db,
+        "SELECT COUNT(*) FROM jobs WHERE queue = 'charge' AND state = 'completed'",
+        ORDERS as i64,
+        "charges completed",
+        &logs,
+    )
+    .await;
+    assert_eq!(payments.charges(), ORDERS, "one charge per order");
+    assert_eq!(
+        payments.max_in_flight(),
+        2,
+        "charges in flight at once, all daemons together"
+    );
+    let daemons = sql_count(
+        &db,
+        "SELECT COUNT(DISTINCT lease_owner) FROM jobs WHERE queue = 'charge'",
+    )
+    .await;
+    assert!(
+        daemons >= 2,
+        "the daemons shared the work: {daemons} ran jobs"
+    );
+    for d in &mut ds {
+        d.terminate();
+    }
+}
+
+/// `rate_limit` holds across daemons: three daemons serve one queue with
+/// `rate_limit = { max = 3, per = "1s" }` (each alone would start three a
+/// second: nine in all). Any four consecutive starts, of all daemons, span
+/// at least the window on the database's clock, which is the clock the
+/// limit is kept on (`attempts.leased_at`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_across_daemons() {
+    const JOBS: usize = 12;
+    let db = TestDatabase::create().await;
+    let queues = "[queues.limited]\nplugin = \"echo\"\nconcurrency = 8\n\
+                  rate_limit = { max = 3, per = \"1s\" }\n";
+    let mut ds = prepare(3, &db, queues, &[("echo", "echo")]);
+    for d in &mut ds {
+        d.start().await;
+        d.wait_plugin("limited").await;
+    }
+    let jobs = (0..JOBS)
+        .map(|i| json!({"id": format!("limited-{i}"), "payload": {"n": i}}))
+        .collect();
+    enqueue_spread(&ds, "limited", jobs).await;
+    let logs: Vec<&Daemon> = ds.iter().collect();
+    wait_sql(
+        &db,
+        "SELECT COUNT(*) FROM jobs WHERE queue = 'limited' AND state = 'completed'",
+        JOBS as i64,
+        "jobs completed",
+        &logs,
+    )
+    .await;
+    let started: Vec<std::time::SystemTime> = sql_rows(
+        &db,
+        "SELECT a.leased_at FROM attempts a JOIN jobs j ON j.id = a.job_id \
+         WHERE j.queue = 'limited' ORDER BY a.leased_at",
+    )
+    .await
+    .iter()
+    .map(|r| r.get(0))
+    .collect();
+    assert_eq!(started.len(), JOBS, "one attempt per job");
+    for w in started.windows(4) {
+        let span = w[3].duration_since(w[0]).unwrap();
+        assert!(
+            span >= Duration::from_secs(1),
+            "4 attempts started within {span:?}: {started:?}"
+        );
+    }
+    let daemons = sql_count(
+        &db,
+        "SELECT COUNT(DISTINCT lease_owner) FROM jobs WHERE queue = 'limited'",
+    )
+    .await;
+    assert!(
+        daemons >= 2,
+        "the daemons shared the work: {daemons} ran jobs"
+    );
+    for d in &mut ds {
+        d.terminate();
+    }
+}

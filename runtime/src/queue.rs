@@ -6,6 +6,12 @@
 //! - At most `concurrency` attempts of a queue run their handler at once. A
 //!   finished attempt gives its slot to the next job before its completion is
 //!   committed, so commits of many attempts share one fsync.
+//! - On a store that several daemons share, the queue's `concurrency` and
+//!   `rate_limit` also hold across all of them: every lease goes through
+//!   [`Store::lease_within`] with the queue's limits as configured now. A
+//!   dispatcher held back by them waits for room (a wake-up, the window's
+//!   end, or the slow poll), never asks again at once. This daemon's own
+//!   slots and limiter stay: they bound what it runs by itself.
 //! - An attempt ends exactly one way in the store: `finish` with the
 //!   handler's outcome, or with `Interrupted` when a shutdown stops it. An
 //!   attempt whose job was cancelled meanwhile is fenced and changes nothing.
@@ -37,7 +43,7 @@ use crate::effects::http::Providers;
 use crate::effects::{Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, RunOutcome};
 use crate::job::{AttemptOutcome, Finish, Lease, LeaseRef, Millis};
-use crate::store::{Store, StoreError};
+use crate::store::{Held, LeaseLimits, RateWindow, Store, StoreError};
 
 /// Most jobs leased in one store step.
 const LEASE_BATCH: u32 = 64;
@@ -608,8 +614,28 @@ impl Queues {
             // and each attempt records it.
             let plugin = q.plugin().plugin.unwrap_or(plugin);
             let now = self.clock.now();
-            let leases = match self.store.lease(&name, want, &plugin.version, now).await {
-                Ok(l) => l,
+            let limits = lease_limits(&q.config());
+            let leased = self
+                .store
+                .lease_within(&name, want, &plugin.version, now, &limits)
+                .await;
+            let leases = match leased {
+                Ok(l) if l.leases.is_empty() && l.held.is_some() => {
+                    // The queue's limits across daemons are reached: wait
+                    // for room, not for a ready job.
+                    drop(first);
+                    let wait = match l.held {
+                        Some(Held::Rate(wait)) => wait,
+                        _ => self.idle_poll,
+                    };
+                    tokio::select! {
+                        () = q.wake.notified(), if l.held == Some(Held::Concurrency) => {}
+                        () = tokio::time::sleep(wait) => {}
+                        () = drain.cancelled() => break,
+                    }
+                    continue;
+                }
+                Ok(l) => l.leases,
                 Err(e) => {
                     tracing::error!(queue = %name, error = %e, "lease failed; retrying");
                     drop(first);
@@ -808,6 +834,17 @@ impl Queues {
             error,
             run_at: now.plus(delay),
         }
+    }
+}
+
+/// The limits a shared store keeps across daemons for queue `cfg`.
+fn lease_limits(cfg: &config::Queue) -> LeaseLimits {
+    LeaseLimits {
+        concurrency: Some(cfg.concurrency),
+        rate: cfg.rate_limit.as_ref().map(|r| RateWindow {
+            max: r.max.max(1),
+            per: r.per,
+        }),
     }
 }
 

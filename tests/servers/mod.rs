@@ -57,6 +57,31 @@ struct Ledger {
     requests: Vec<Seen>,
     /// Charges by idempotency key (or by request number without one).
     charges: HashMap<String, Value>,
+    /// Charge requests received and not yet answered (or dropped).
+    in_flight: usize,
+    /// The most `in_flight` ever was.
+    max_in_flight: usize,
+}
+
+/// Counts one charge request in flight from its arrival until it is
+/// answered or its connection dropped.
+struct InFlight(Arc<Mutex<Ledger>>);
+
+impl InFlight {
+    fn enter(ledger: &Arc<Mutex<Ledger>>) -> InFlight {
+        let mut l = ledger.lock().unwrap();
+        l.in_flight += 1;
+        l.max_in_flight = l.max_in_flight.max(l.in_flight);
+        InFlight(Arc::clone(ledger))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.0.lock() {
+            l.in_flight -= 1;
+        }
+    }
 }
 
 /// A payments API: `POST /v1/charges` creates a charge, once per
@@ -76,6 +101,7 @@ async fn charge(
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
+    let _in_flight = InFlight::enter(&ledger);
     // The charge is made when the request arrives; the answer may be slow.
     let (status, charge, delay) = {
         let mut l = ledger.lock().unwrap();
@@ -184,6 +210,11 @@ impl Payments {
     /// Charges created (distinct idempotency keys).
     pub fn charges(&self) -> usize {
         self.ledger.lock().unwrap().charges.len()
+    }
+
+    /// The most charge requests that were in flight at once.
+    pub fn max_in_flight(&self) -> usize {
+        self.ledger.lock().unwrap().max_in_flight
     }
 }
 

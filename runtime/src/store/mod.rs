@@ -195,6 +195,40 @@ pub struct Swept {
     pub dedup_keys: u64,
 }
 
+/// A queue's limits as [`Store::lease_within`] keeps them across daemons.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeaseLimits {
+    /// Most attempts of the queue holding an unexpired lease at once.
+    pub concurrency: Option<u32>,
+    /// Most attempts of the queue started in any window.
+    pub rate: Option<RateWindow>,
+}
+
+/// At most `max` attempts started in any window of `per`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateWindow {
+    pub max: u32,
+    pub per: Duration,
+}
+
+/// What [`Store::lease_within`] leased, and why not more.
+#[derive(Debug, Default)]
+pub struct Leased {
+    pub leases: Vec<Lease>,
+    /// Set when a limit left less room than was asked for.
+    pub held: Option<Held>,
+}
+
+/// The limit that held a lease back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// `concurrency`: room comes back when an attempt of the queue ends (the
+    /// store wakes the queue through [`Store::wakeups`]) or its lease expires.
+    Concurrency,
+    /// `rate_limit`: the window has room again after this long.
+    Rate(Duration),
+}
+
 /// The ledger's operations. Every backend implements all of them with the
 /// same semantics; `conformance::run` checks that.
 #[async_trait]
@@ -207,6 +241,11 @@ pub trait Store: Send + Sync + 'static {
     /// in delivery order (priority desc, run_at, enqueue order); each gets a new
     /// attempt, recorded with the `plugin_version` it will run on, and a fresh
     /// fencing token. **Applied.**
+    ///
+    /// `max` is the only bound: the queue's `concurrency` and `rate_limit`
+    /// are the caller's to keep. A store that several daemons share keeps
+    /// them across all daemons in [`Store::lease_within`], which the
+    /// dispatcher calls.
     async fn lease(
         &self,
         queue: &str,
@@ -214,6 +253,34 @@ pub trait Store: Send + Sync + 'static {
         plugin_version: &str,
         now: Millis,
     ) -> Result<Vec<Lease>, StoreError>;
+
+    /// [`Store::lease`] within `limits`, which hold across every daemon
+    /// that shares this store: it leases no job that would bring the
+    /// attempts of `queue` holding an unexpired lease above
+    /// `limits.concurrency`, or the attempts of `queue` started in any
+    /// window of `limits.rate.per` (on the store's clock) above
+    /// `limits.rate.max`, counting every daemon's leases made through this
+    /// method. Fewer leases than `max` come back when the limits leave less
+    /// room; [`Leased::held`] then says why, so that the caller waits
+    /// instead of asking again at once. **Applied.**
+    ///
+    /// The default is for a store that one daemon owns (its lock file
+    /// keeps others out): that daemon's own concurrency slots and rate
+    /// limiter are then the whole count, and `limits` adds nothing.
+    async fn lease_within(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+        limits: &LeaseLimits,
+    ) -> Result<Leased, StoreError> {
+        let _ = limits;
+        Ok(Leased {
+            leases: self.lease(queue, max, plugin_version, now).await?,
+            held: None,
+        })
+    }
 
     /// The earliest `run_at` of a waiting job of `queue`, if any. Committed state.
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError>;

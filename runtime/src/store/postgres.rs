@@ -117,6 +117,13 @@
 //!   [`Store::wakeups`] LISTENs on a connection of its own, reconnecting
 //!   when it drops, and yields `*` (every queue) after each (re)connection,
 //!   since notifications sent meanwhile are lost.
+//! - [`Store::lease_within`] keeps a queue's `concurrency` and `rate_limit`
+//!   across daemons: under a per-queue transaction advisory lock it counts
+//!   the queue's unexpired leases and its starts in the window
+//!   (`queue_starts`, at the database's time `attempts.leased_at`) and
+//!   leases at most what is left. A lease held back by `concurrency` records
+//!   a wait in `queue_waits`; the next finish, cancel or reclaim of the
+//!   queue consumes it and `NOTIFY`s. [`Store::lease`] takes no lock.
 //! - A step never idles inside its transaction, unless its daemon is paused:
 //!   the pool's sessions run with `idle_in_transaction_session_timeout` set
 //!   to the lease, so the server ends a paused daemon's open transaction
@@ -131,7 +138,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use deadpool_postgres::{
@@ -143,8 +150,8 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, Resolution, Store,
-    StoreError, Swept, UpsertOutcome,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Held, JobFilter, JobPage, LeaseLimits,
+    Leased, Resolution, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -152,7 +159,7 @@ use crate::job::{
 };
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: i32 = 3;
+pub const SCHEMA_VERSION: i32 = 4;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
 pub const MIGRATIONS: &[&str] = &[
@@ -324,10 +331,33 @@ CREATE TABLE daemons (
     heartbeat_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 "#,
+    r#"
+-- Limits across daemons (concurrency, rate_limit), kept by the lease step
+-- under a per-queue advisory lock.
+-- When each attempt started on the database's clock (NULL before version 4,
+-- and for attempts copied from an embedded ledger).
+ALTER TABLE attempts ADD COLUMN leased_at timestamptz;
+-- The starts of rate-limited queues within their current window; a lease of
+-- the queue deletes those that left it.
+CREATE TABLE queue_starts (
+    queue text NOT NULL,
+    at    timestamptz NOT NULL
+);
+CREATE INDEX queue_starts_at ON queue_starts (queue, at);
+-- Queues whose lease was held back by their concurrency: the end of any of
+-- their attempts wakes every daemon.
+CREATE TABLE queue_waits (
+    queue text PRIMARY KEY
+);
+"#,
 ];
 
 /// The advisory lock that serialises migrations (transaction-level).
 const MIGRATION_LOCK: i64 = 0x6b68_6174_615f_6d67; // "khata_mg"
+/// The first key of the per-queue advisory locks of limited leases
+/// (`pg_advisory_xact_lock(QUEUE_LOCK, hashtext(queue))`); the two-key
+/// space is apart from the one-key space of [`MIGRATION_LOCK`].
+const QUEUE_LOCK: i32 = 0x6b68_716c; // "khql"
 
 /// How often a step is rerun after losing a race (deadlock, serialization
 /// failure, unique violation) before it gives up as `Unavailable`.
@@ -1119,6 +1149,9 @@ async fn enqueue_one<C: GenericClient>(
     })
 }
 
+/// Leases up to `max` ready jobs of `queue` for `owner`; their attempts
+/// start at `now` (the caller's clock) and at `at` on the database's clock
+/// (`leased_at`; `None`: the clock now).
 async fn lease_batch<C: GenericClient>(
     c: &C,
     queue: &str,
@@ -1126,6 +1159,7 @@ async fn lease_batch<C: GenericClient>(
     plugin_version: &str,
     now: Millis,
     (owner, lease_ms): (&str, i64),
+    at: Option<SystemTime>,
 ) -> Result<Vec<Lease>, Fail> {
     let picked = rows(
         c,
@@ -1173,12 +1207,139 @@ async fn lease_batch<C: GenericClient>(
                  lease_expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond' \
              FROM unnest($1::text[], $2::bigint[]) AS v(id, token) WHERE j.id = v.id \
              RETURNING j.id, j.attempt, j.lease_token) \
-         INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version) \
-         SELECT id, attempt, lease_token, $3, 'running', $6 FROM leased",
-        &[&ids, &tokens, &now.0, &owner, &lease_ms, &plugin_version],
+         INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version, leased_at) \
+         SELECT id, attempt, lease_token, $3, 'running', $6, COALESCE($7::timestamptz, clock_timestamp()) \
+         FROM leased",
+        &[&ids, &tokens, &now.0, &owner, &lease_ms, &plugin_version, &at],
     )
     .await?;
     Ok(leases)
+}
+
+/// The lease step within limits across daemons ([`Store::lease_within`]).
+///
+/// It first takes the queue's transaction advisory lock, held to its
+/// commit: the limited leases of one queue run one at a time, on every
+/// daemon, so what this one counts (the queue's unexpired leases, its
+/// starts in the window) cannot change before it commits its own leases,
+/// except downwards (an attempt ends, a lease expires). Its statements
+/// after the lock see every lease committed before the lock was granted
+/// (READ COMMITTED: a snapshot per statement). Times are the database's:
+/// `t`, read once under the lock, is the start of every attempt leased
+/// here, and later than every start already recorded.
+async fn lease_limited<C: GenericClient>(
+    c: &C,
+    queue: &str,
+    max: u32,
+    plugin_version: &str,
+    now: Millis,
+    owner: (&str, i64),
+    limits: &LeaseLimits,
+) -> Result<Leased, Fail> {
+    exec(
+        c,
+        "SELECT pg_advisory_xact_lock($1, hashtext($2))",
+        &[&QUEUE_LOCK, &queue],
+    )
+    .await?;
+    let per_ms = limits
+        .rate
+        .map_or(0, |r| i64::try_from(r.per.as_millis()).unwrap_or(i64::MAX));
+    let r = rows(
+        c,
+        "WITH t AS (SELECT clock_timestamp() AS t) \
+         SELECT t.t, \
+             CASE WHEN $2 THEN (SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'active' \
+                 AND lease_expires_at > t.t) ELSE 0 END, \
+             CASE WHEN $3::bigint > 0 THEN (SELECT COUNT(*) FROM queue_starts WHERE queue = $1 \
+                 AND at > t.t - $3::bigint * interval '1 millisecond') ELSE 0 END \
+         FROM t",
+        &[&queue, &limits.concurrency.is_some(), &per_ms],
+    )
+    .await?;
+    let r = r.first().ok_or_else(|| unavailable("no row"))?;
+    let t: SystemTime = r.try_get(0)?;
+    let active = u64_of(r.try_get(1)?);
+    let started = u64_of(r.try_get(2)?);
+    let room =
+        |limit: u32, used: u64| u32::try_from(u64::from(limit).saturating_sub(used)).unwrap_or(0);
+    let by_concurrency = limits.concurrency.map_or(max, |n| room(n, active));
+    let by_rate = limits.rate.map_or(max, |w| room(w.max, started));
+    let want = max.min(by_concurrency).min(by_rate);
+    let held = match limits.rate {
+        _ if want == max => None,
+        // `by_rate < max`: there is a rate limit, and it binds.
+        Some(w) if by_rate <= by_concurrency => {
+            // Room comes back when the start `max` places before the
+            // newest leaves the window.
+            let k = i64::try_from(started.saturating_sub(u64::from(w.max))).unwrap_or(i64::MAX);
+            let oldest = row_opt(
+                c,
+                "SELECT at FROM queue_starts WHERE queue = $1 \
+                 AND at > $2::timestamptz - $3::bigint * interval '1 millisecond' \
+                 ORDER BY at OFFSET $4 LIMIT 1",
+                &[&queue, &t, &per_ms, &k],
+            )
+            .await?;
+            let wait = match oldest {
+                Some(r) => {
+                    let at: SystemTime = r.try_get(0)?;
+                    (at + w.per).duration_since(t).unwrap_or_default()
+                }
+                None => Duration::ZERO,
+            };
+            Some(Held::Rate(wait.max(Duration::from_millis(1))))
+        }
+        _ => Some(Held::Concurrency),
+    };
+    if want == 0 {
+        if held == Some(Held::Concurrency) {
+            // Whichever attempt of the queue ends next wakes every daemon.
+            exec(
+                c,
+                "INSERT INTO queue_waits (queue) VALUES ($1) ON CONFLICT DO NOTHING",
+                &[&queue],
+            )
+            .await?;
+        }
+        return Ok(Leased {
+            leases: Vec::new(),
+            held,
+        });
+    }
+    let leases = lease_batch(c, queue, want, plugin_version, now, owner, Some(t)).await?;
+    if limits.rate.is_some() && !leases.is_empty() {
+        let n = i32::try_from(leases.len()).unwrap_or(i32::MAX);
+        exec(
+            c,
+            "DELETE FROM queue_starts WHERE queue = $1 \
+             AND at <= $2::timestamptz - $3::bigint * interval '1 millisecond'",
+            &[&queue, &t, &per_ms],
+        )
+        .await?;
+        exec(
+            c,
+            "INSERT INTO queue_starts (queue, at) SELECT $1::text, $2::timestamptz FROM generate_series(1, $3)",
+            &[&queue, &t, &n],
+        )
+        .await?;
+    }
+    Ok(Leased { leases, held })
+}
+
+/// Wakes the daemons waiting for room in `queue`'s concurrency, once per
+/// wait: an attempt of the queue ended or gave its job back.
+async fn wake_waiters<C: GenericClient>(c: &C, queue: &str) -> Result<(), Fail> {
+    let waited = rows(
+        c,
+        "DELETE FROM queue_waits WHERE queue = $1 RETURNING queue",
+        &[&queue],
+    )
+    .await?;
+    if !waited.is_empty() {
+        notify(c, queue).await?;
+    }
+    Ok(())
 }
 
 async fn close_attempt<C: GenericClient>(
@@ -1269,6 +1430,7 @@ async fn finish_step<C: GenericClient>(
         }));
     }
     close_attempt(c, lease, outcome, error, now).await?;
+    wake_waiters(c, &job.queue).await?;
     let next = match finish {
         Finish::Completed { result } => {
             end_job(c, &job.id, JobState::Completed, Some(result), None, now).await?;
@@ -1366,9 +1528,10 @@ async fn reclaim_step<C: GenericClient>(
         let used: i32 = r.try_get(2)?;
         let max: i32 = r.try_get(3)?;
         ids.push(id.clone());
+        // Every reclaimed job frees room in its queue's concurrency.
+        queues.insert(queue);
         if used < max {
             back.push(id);
-            queues.insert(queue);
         } else {
             dead.push((id, max));
         }
@@ -1410,6 +1573,9 @@ async fn cancel_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<(
     }
     let was_active = job.state == JobState::Active;
     end_job(c, id, JobState::Cancelled, None, None, now).await?;
+    if was_active {
+        wake_waiters(c, &job.queue).await?;
+    }
     let job = load_job(c, id, now)
         .await?
         .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
@@ -2027,11 +2193,41 @@ impl Store for PostgresStore {
             max,
             plugin_version,
             now,
-            owner
+            owner,
+            None
         )
         .await)?;
         self.hold(&leases);
         Ok(leases)
+    }
+
+    async fn lease_within(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+        limits: &LeaseLimits,
+    ) -> Result<Leased, StoreError> {
+        if limits.concurrency.is_none() && limits.rate.is_none() {
+            return Ok(Leased {
+                leases: self.lease(queue, max, plugin_version, now).await?,
+                held: None,
+            });
+        }
+        let owner = (self.daemon_id.as_str(), self.lease_ms());
+        let leased = step!(self, Mode::Write, |tx| lease_limited(
+            &tx,
+            queue,
+            max,
+            plugin_version,
+            now,
+            owner,
+            limits
+        )
+        .await)?;
+        self.hold(&leased.leases);
+        Ok(leased)
     }
 
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
@@ -3266,6 +3462,72 @@ mod tests {
                 crate::job::AttemptOutcome::Completed
             ]
         );
+    }
+
+    /// `lease_within` counts every daemon's leases. `concurrency = 2`: two
+    /// daemons lease two jobs in all, a lease held back says so, and the
+    /// next end of an attempt of the queue wakes the waiting daemons; an
+    /// expired lease no longer counts. `rate_limit = 2 per minute`: the
+    /// third start, on either daemon, waits, and the store says for how long.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lease_within_counts_every_daemons_leases() {
+        use crate::store::{Held, LeaseLimits, RateWindow};
+        let db = TestDatabase::create().await;
+        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
+        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
+        let t0 = Millis(1_700_000_000_000);
+        let jobs = (0..6).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
+        a.enqueue(jobs, t0).await.unwrap();
+        let two = LeaseLimits {
+            concurrency: Some(2),
+            rate: None,
+        };
+        let first = a.lease_within("q", 1, "v1", t0, &two).await.unwrap();
+        assert_eq!((first.leases.len(), first.held), (1, None));
+        let second = b.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+        assert_eq!(
+            (second.leases.len(), second.held),
+            (1, Some(Held::Concurrency))
+        );
+        let none = a.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+        assert_eq!((none.leases.len(), none.held), (0, Some(Held::Concurrency)));
+        let mut wake = b.wakeups().expect("postgres has wake-ups");
+        assert_eq!(wake.recv().await.as_deref(), Some("*"));
+        let done = Finish::Completed { result: "1".into() };
+        a.finish(&first.leases[0].fence(), done, t0).await.unwrap();
+        assert_eq!(
+            wake.recv().await.as_deref(),
+            Some("q"),
+            "the end of an attempt wakes the daemons that wait for room"
+        );
+        let third = b.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+        assert_eq!(third.leases.len(), 1);
+        expire_leases(&db).await;
+        let after = a.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+        assert_eq!(after.leases.len(), 2, "expired leases do not count");
+
+        let per = std::time::Duration::from_secs(60);
+        let rate = LeaseLimits {
+            concurrency: None,
+            rate: Some(RateWindow { max: 2, per }),
+        };
+        let limited = (0..3)
+            .map(|i| NewJob {
+                queue: "r".into(),
+                ..new_job(&format!("r{i}"), t0, 3)
+            })
+            .collect();
+        a.enqueue(limited, t0).await.unwrap();
+        let x = a.lease_within("r", 1, "v1", t0, &rate).await.unwrap();
+        assert_eq!((x.leases.len(), x.held), (1, None));
+        let y = b.lease_within("r", 5, "v1", t0, &rate).await.unwrap();
+        assert_eq!(y.leases.len(), 1);
+        let z = a.lease_within("r", 5, "v1", t0, &rate).await.unwrap();
+        assert!(z.leases.is_empty());
+        match z.held {
+            Some(Held::Rate(wait)) => assert!(wait > std::time::Duration::ZERO && wait <= per),
+            other => panic!("held back by the rate limit, not {other:?}"),
+        }
     }
 
     /// A lease that expires before its attempt ends, not yet reclaimed: the
