@@ -519,7 +519,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         Some(tokio::spawn(leases(
             Arc::clone(&store),
             Arc::clone(&queues),
-            config.store.heartbeat,
+            (config.store.heartbeat, config.store.lease),
             wakeups,
         )))
     } else {
@@ -692,13 +692,18 @@ async fn wait_for_signal() {
 }
 
 /// The chores of a daemon that shares its store with others: renewing its
-/// leases every `heartbeat` (stopping the attempts whose lease is lost),
+/// leases every `heartbeat` (stopping the attempts whose lease is lost,
+/// also those whose lease ran out while the store could not be reached),
 /// reclaiming expired leases as often, and waking queues on other daemons'
 /// enqueues. Off the path of any job: an attempt never waits for them.
+///
+/// While the store is unreachable each chore logs its first failure as a
+/// warning and the return of the store once; the gauge `khata_store_up`
+/// is 0 from a failed heartbeat to the next one that succeeds.
 async fn leases(
     store: Arc<dyn Store>,
     queues: Arc<Queues>,
-    heartbeat: Duration,
+    (heartbeat, lease_period): (Duration, Duration),
     wakeups: Option<tokio::sync::mpsc::UnboundedReceiver<String>>,
 ) {
     if let Some(mut rx) = wakeups {
@@ -714,10 +719,13 @@ async fn leases(
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(heartbeat);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut outage = Outage::new("reclaiming expired leases");
             loop {
                 tick.tick().await;
                 loop {
-                    match store.reclaim_expired(Millis::now()).await {
+                    let reclaimed = store.reclaim_expired(Millis::now()).await;
+                    outage.saw(reclaimed.as_ref().err());
+                    match reclaimed {
                         Ok(0) => break,
                         Ok(n) => {
                             metrics::counter!("khata_leases_reclaimed_total").increment(n);
@@ -726,10 +734,7 @@ async fn leases(
                                 "reclaimed jobs whose lease expired: their attempts are recorded as abandoned"
                             );
                         }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "reclaiming expired leases failed; trying again at the next heartbeat");
-                            break;
-                        }
+                        Err(_) => break,
                     }
                 }
             }
@@ -738,11 +743,24 @@ async fn leases(
     let _reclaimer = AbortOnDrop(reclaimer);
     let mut tick = tokio::time::interval(heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut outage = Outage::new("the heartbeat (renewing this daemon's leases)");
+    metrics::gauge!("khata_store_up").set(1.0);
     loop {
         tick.tick().await;
         let started = std::time::Instant::now();
-        match store.heartbeat().await {
+        // A heartbeat that has not answered within a lease renews nothing
+        // that is still held: give up on it and count the failure.
+        let beat = match tokio::time::timeout(lease_period, store.heartbeat()).await {
+            Ok(beat) => beat,
+            Err(_) => Err(crate::store::StoreError::Unavailable(format!(
+                "the store did not answer the heartbeat within the lease ({})",
+                humantime::format_duration(lease_period)
+            ))),
+        };
+        outage.saw(beat.as_ref().err());
+        match beat {
             Ok(lost) => {
+                metrics::gauge!("khata_store_up").set(1.0);
                 metrics::histogram!("khata_heartbeat_seconds")
                     .record(started.elapsed().as_secs_f64());
                 for lease in lost {
@@ -751,10 +769,61 @@ async fn leases(
                     tracing::warn!(job = %lease.job_id, token = lease.token, stopped, "lease lost (expired before it was renewed): the attempt's effects are refused from now on");
                 }
             }
-            Err(e) => {
+            Err(_) => {
+                metrics::gauge!("khata_store_up").set(0.0);
                 metrics::counter!("khata_heartbeat_failures_total").increment(1);
-                tracing::warn!(error = %e, "heartbeat failed: leases not renewed this time");
             }
+        }
+        // Leases that ran out while no heartbeat got through: the store
+        // refuses their attempts' effects and finishes when it answers
+        // again, so those attempts stop now rather than run on.
+        let expired = store.leases_past_expiry();
+        if !expired.is_empty() {
+            metrics::counter!("khata_leases_lost_total").increment(expired.len() as u64);
+            let stopped = expired.iter().filter(|l| queues.lease_lost(l)).count();
+            tracing::warn!(
+                leases = expired.len(),
+                stopped,
+                "leases expired while the store could not be reached to renew them: their attempts are stopped, and their jobs are redelivered once the store answers and the leases are reclaimed"
+            );
+        }
+    }
+}
+
+/// Logs a run of failures of one chore once: a warning at the first, a
+/// line when it works again with how many failed in between.
+struct Outage {
+    what: &'static str,
+    failures: u64,
+    since: Option<std::time::Instant>,
+}
+
+impl Outage {
+    fn new(what: &'static str) -> Outage {
+        Outage {
+            what,
+            failures: 0,
+            since: None,
+        }
+    }
+
+    fn saw(&mut self, error: Option<&crate::store::StoreError>) {
+        match (error, self.since) {
+            (Some(e), None) => {
+                self.since = Some(std::time::Instant::now());
+                self.failures = 1;
+                tracing::warn!(error = %e, chore = self.what, "the store is unavailable; retrying every heartbeat (logged once until it answers again)");
+            }
+            (Some(e), Some(_)) => {
+                self.failures += 1;
+                tracing::debug!(error = %e, chore = self.what, failures = self.failures, "the store is still unavailable");
+            }
+            (None, Some(since)) => {
+                tracing::info!(chore = self.what, failures = self.failures, after = %humantime::format_duration(Duration::from_millis(u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX))), "the store answers again");
+                self.since = None;
+                self.failures = 0;
+            }
+            (None, None) => {}
         }
     }
 }

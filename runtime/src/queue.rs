@@ -580,6 +580,9 @@ impl Queues {
         // when the queue's dispatcher next starts.
         let mut limiter = q.config().rate_limit.as_ref().map(Limiter::new);
         let mut attempts = JoinSet::new();
+        // Leasing failed since then (the store is unavailable): logged at
+        // the first failure and when leasing works again, not at each try.
+        let mut lease_failing: Option<std::time::Instant> = None;
         loop {
             while attempts.try_join_next().is_some() {}
             let Some(plugin) = q.plugin().plugin else {
@@ -619,6 +622,11 @@ impl Queues {
                 .store
                 .lease_within(&name, want, &plugin.version, now, &limits)
                 .await;
+            if leased.is_ok()
+                && let Some(since) = lease_failing.take()
+            {
+                tracing::info!(queue = %name, after = ?since.elapsed(), "leasing works again");
+            }
             let leases = match leased {
                 Ok(l) if l.leases.is_empty() && l.held.is_some() => {
                     // The queue's limits across daemons are reached: wait
@@ -637,7 +645,12 @@ impl Queues {
                 }
                 Ok(l) => l.leases,
                 Err(e) => {
-                    tracing::error!(queue = %name, error = %e, "lease failed; retrying");
+                    if lease_failing.is_none() {
+                        lease_failing = Some(std::time::Instant::now());
+                        tracing::error!(queue = %name, error = %e, "lease failed; retrying every {IDLE_POLL:?} (logged once until it works again)");
+                    } else {
+                        tracing::debug!(queue = %name, error = %e, "lease failed again");
+                    }
                     drop(first);
                     tokio::select! {
                         () = tokio::time::sleep(IDLE_POLL) => {}
@@ -798,10 +811,17 @@ impl Queues {
         };
         crate::effects::fenced::failpoint("queue::before_finish").await;
         let outcome = outcome_label(&finish);
-        metrics::counter!("khata_attempts_total", "queue" => cfg.name.clone(), "outcome" => outcome).increment(1);
         metrics::histogram!("khata_attempt_duration_seconds", "queue" => cfg.name.clone())
             .record(started.elapsed().as_secs_f64());
-        match self.store.finish(&lease.fence(), finish, now).await {
+        let finished = self.store.finish(&lease.fence(), finish, now).await;
+        // An attempt whose end did not commit is not counted as its handler
+        // ended: it is recorded as abandoned when its lease is reclaimed.
+        let recorded = match &finished {
+            Ok(_) | Err(StoreError::Fenced { .. }) => outcome,
+            Err(_) => "abandoned",
+        };
+        metrics::counter!("khata_attempts_total", "queue" => cfg.name.clone(), "outcome" => recorded).increment(1);
+        match finished {
             Ok(state) => {
                 if outcome == "completed" {
                     self.completed.fetch_add(1, Ordering::Relaxed);
@@ -814,8 +834,10 @@ impl Queues {
                 tracing::info!(job = %lease.job_id, queue = %cfg.name, attempt = lease.attempt, "attempt ended after it lost its job (cancelled, or its lease expired): its end changed nothing");
             }
             Err(e) => {
-                // The job stays active in the ledger; the next start redelivers it.
-                tracing::error!(job = %lease.job_id, queue = %cfg.name, error = %e, "could not record the end of an attempt");
+                // The job stays active in the ledger, and is not reported
+                // completed: its lease expires and a reclaim (on PostgreSQL,
+                // by any daemon) or the next start redelivers it.
+                tracing::error!(job = %lease.job_id, queue = %cfg.name, error = %e, "could not record the end of an attempt: the job is redelivered once its lease is reclaimed");
             }
         }
     }

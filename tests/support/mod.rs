@@ -418,3 +418,91 @@ pub fn short_hash(bytes: &[u8]) -> String {
 pub fn payload(v: Value) -> Value {
     json!({ "payload": v })
 }
+
+impl Daemon {
+    /// Whether the daemon process is still running (not exited).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+/// A PostgreSQL server of one test's own, made by `scripts/pg-test-server`
+/// (a fresh cluster on a free port), so that the test may stop and restart
+/// it without disturbing other tests. Removed on drop, also on panic.
+pub struct PgServer {
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`.
+    pub url: String,
+    /// The cluster's directory.
+    pub dir: PathBuf,
+}
+
+impl PgServer {
+    fn script() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("workspace root")
+            .join("scripts/pg-test-server")
+    }
+
+    fn run(args: &[&str]) -> String {
+        let out = Command::new(Self::script())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run scripts/pg-test-server");
+        assert!(
+            out.status.success(),
+            "scripts/pg-test-server {}: {}\n{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("UTF-8 output")
+    }
+
+    /// Starts a fresh cluster.
+    pub fn start() -> PgServer {
+        let out = Self::run(&["start"]);
+        let var = |name: &str| {
+            out.lines()
+                .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+                .unwrap_or_else(|| panic!("scripts/pg-test-server start printed no {name}: {out}"))
+                .to_owned()
+        };
+        PgServer {
+            url: var("KHATA_TEST_PG_URL"),
+            dir: PathBuf::from(var("KHATA_TEST_PG_DIR")),
+        }
+    }
+
+    fn dir(&self) -> &str {
+        self.dir.to_str().expect("UTF-8 cluster path")
+    }
+
+    /// `pg_ctl stop -m fast`: the server closes every connection and stops;
+    /// the cluster stays.
+    pub fn stop_server(&self) {
+        Self::run(&["stop-server", self.dir()]);
+    }
+
+    /// Starts the stopped server again, on the same port.
+    pub fn start_server(&self) {
+        Self::run(&["start-server", self.dir()]);
+    }
+
+    /// `pg_ctl restart -m fast`.
+    pub fn restart(&self) {
+        Self::run(&["restart", self.dir()]);
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = Command::new(Self::script())
+            .args(["stop", self.dir()])
+            .stdin(Stdio::null())
+            .output();
+    }
+}

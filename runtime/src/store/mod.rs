@@ -501,6 +501,15 @@ pub trait Store: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// The leases this daemon holds that have surely expired by now because
+    /// no heartbeat renewed them in time (the store could not be reached),
+    /// without asking the store; each is reported once, as `heartbeat`
+    /// reports lost leases, so that its attempt is stopped: the store will
+    /// refuse its effects and its finish whenever it answers again.
+    fn leases_past_expiry(&self) -> Vec<LeaseRef> {
+        Vec::new()
+    }
+
     /// Reclaims up to a bounded number of jobs whose lease expired: each
     /// attempt is closed as abandoned (counted), each job goes back to
     /// waiting at `now`, or to dead when its budget is used up. Returns how

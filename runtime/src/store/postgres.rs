@@ -133,7 +133,13 @@
 //! # Connections
 //!
 //! Plain TCP or a Unix socket, without TLS (`NoTls`): run the database on
-//! the same machine or a trusted network for now. The URL is a libpq-style
+//! the same machine or a trusted network for now. Unless the URL sets
+//! them, TCP connections get `tcp_user_timeout` and keepalives of about a
+//! lease, so that a server that stops answering fails the steps
+//! (`Unavailable`) rather than hanging them. A server that went away and
+//! came back (a restart) is reconnected to by the pool: a pooled
+//! connection the server closed is found closed when it is next taken
+//! and replaced by a new one. The URL is a libpq-style
 //! URL or key-value string (`postgres://user:password@host:port/db`).
 
 use std::fmt;
@@ -402,8 +408,12 @@ pub struct PostgresStore {
     /// `idle_in_transaction_session_timeout`.
     lease_ms: i64,
     /// The leases this store handed out and not yet saw end, to report those
-    /// that a heartbeat finds lost. Entered after the lease's commit.
-    held: std::sync::Mutex<std::collections::HashSet<LeaseRef>>,
+    /// that a heartbeat finds lost. Entered after the lease's commit, each
+    /// with the instant (this process's monotonic clock) by which it has
+    /// surely expired on the database's: `lease` after the answer of the
+    /// statement that last set its expiry, which the database computed
+    /// before that answer.
+    held: std::sync::Mutex<std::collections::HashMap<LeaseRef, std::time::Instant>>,
     /// The wake-up listener, stopped with the store.
     listener: std::sync::Mutex<Option<AbortOnDrop>>,
 }
@@ -665,7 +675,20 @@ impl PostgresStore {
         pool: usize,
         lease: Duration,
     ) -> Result<PostgresStore, StoreError> {
-        let cfg = with_defaults(cfg);
+        let mut cfg = with_defaults(cfg);
+        // A connection to a server that stopped answering (a partition, a
+        // machine gone) fails within about a lease instead of hanging: an
+        // unacknowledged write by TCP_USER_TIMEOUT, an idle connection (the
+        // wake-up listener's) by keepalives. The URL's own settings win.
+        let lease_floor = lease.max(Duration::from_secs(1));
+        if cfg.get_tcp_user_timeout().is_none() {
+            cfg.tcp_user_timeout(lease_floor);
+        }
+        if cfg.get_keepalives_interval().is_none() {
+            cfg.keepalives_idle(lease_floor)
+                .keepalives_interval((lease_floor / 3).max(Duration::from_secs(1)))
+                .keepalives_retries(3);
+        }
         let target = target_of(&cfg);
         {
             let (mut client, task) = connect(&cfg).await?;
@@ -715,7 +738,7 @@ impl PostgresStore {
             cfg,
             daemon_id: uuid::Uuid::now_v7().to_string(),
             lease_ms,
-            held: std::sync::Mutex::new(std::collections::HashSet::new()),
+            held: std::sync::Mutex::new(std::collections::HashMap::new()),
             listener: std::sync::Mutex::new(None),
         };
         store.register().await?;
@@ -731,9 +754,14 @@ impl PostgresStore {
         self.lease_ms
     }
 
+    fn lease_duration(&self) -> Duration {
+        Duration::from_millis(u64_of(self.lease_ms))
+    }
+
     fn hold(&self, leases: &[Lease]) {
+        let expired_by = std::time::Instant::now() + self.lease_duration();
         if let Ok(mut held) = self.held.lock() {
-            held.extend(leases.iter().map(Lease::fence));
+            held.extend(leases.iter().map(|l| (l.fence(), expired_by)));
         }
     }
 
@@ -810,8 +838,17 @@ macro_rules! step {
     ($store:expr, $mode:expr, |$tx:ident| $body:expr) => {{
         let mut reruns = 0u32;
         loop {
-            let mut client = $store.client().await?;
-            let $tx = begin(&mut client, $mode).await?;
+            // Failures break out of the loop rather than return, so that a
+            // caller's code after the step (e.g. `finish` releasing its
+            // lease) runs whatever the outcome.
+            let mut client = match $store.client().await {
+                Ok(c) => c,
+                Err(e) => break Err(e),
+            };
+            let $tx = match begin(&mut client, $mode).await {
+                Ok(tx) => tx,
+                Err(e) => break Err(e),
+            };
             let out: Result<_, Fail> = async { $body }.await;
             match out {
                 Ok(v) => match $tx.commit().await {
@@ -2033,7 +2070,7 @@ impl PostgresStore {
         let before: Vec<LeaseRef> = self
             .held
             .lock()
-            .map(|h| h.iter().cloned().collect())
+            .map(|h| h.keys().cloned().collect())
             .unwrap_or_default();
         let lease_ms = self.lease_ms();
         let ids: Vec<&str> = before.iter().map(|l| l.job_id.as_str()).collect();
@@ -2066,12 +2103,18 @@ impl PostgresStore {
         })?;
         let renewed: std::collections::HashSet<(String, u64)> =
             renewed.into_iter().map(|(id, t)| (id, u64_of(t))).collect();
+        let expired_by = std::time::Instant::now() + self.lease_duration();
         let mut lost = Vec::new();
         if let Ok(mut held) = self.held.lock() {
             for l in before {
-                // Still held in memory (its attempt has not ended) and not
-                // renewed: lost.
-                if !renewed.contains(&(l.job_id.clone(), l.token)) && held.remove(&l) {
+                if renewed.contains(&(l.job_id.clone(), l.token)) {
+                    // Still held in memory (its attempt has not ended): its
+                    // new expiry was set before this answer.
+                    if let Some(by) = held.get_mut(&l) {
+                        *by = expired_by;
+                    }
+                } else if held.remove(&l).is_some() {
+                    // Still held in memory and not renewed: lost.
                     lost.push(l);
                 }
             }
@@ -2295,6 +2338,27 @@ impl Store for PostgresStore {
 
     async fn heartbeat(&self) -> Result<Vec<LeaseRef>, StoreError> {
         self.heartbeat_step().await
+    }
+
+    /// Measured on this process's monotonic clock from the answer of the
+    /// statement that last set each lease's expiry: the database set it
+    /// to `lease` after a moment before that answer, so once `lease` has
+    /// passed here it has passed there (clock rates agree; their readings
+    /// need not).
+    fn leases_past_expiry(&self) -> Vec<LeaseRef> {
+        let now = std::time::Instant::now();
+        let Ok(mut held) = self.held.lock() else {
+            return Vec::new();
+        };
+        let lost: Vec<LeaseRef> = held
+            .iter()
+            .filter(|(_, by)| **by <= now)
+            .map(|(l, _)| l.clone())
+            .collect();
+        for l in &lost {
+            held.remove(l);
+        }
+        lost
     }
 
     async fn reclaim_expired(&self, now: Millis) -> Result<u64, StoreError> {
