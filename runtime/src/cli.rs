@@ -357,7 +357,8 @@ pub struct VerifyArgs {
 /// Arguments of `khata new`.
 #[derive(Debug, Args)]
 pub struct NewArgs {
-    /// The handler's name: the directory and the crate (letters, digits, `_`, `-`)
+    /// The handler's name: the directory, and the crate, Python module or npm
+    /// package (letters, digits, `_`, `-`; Python: no `-`; JS: lower case)
     pub name: String,
 
     /// The handler's language

@@ -45,6 +45,7 @@
 //!    fresh data directory: every plugin compiled) and warm (a restart: the
 //!    compiled-code cache); and µs per `echo` invocation with the sandbox's
 //!    in-engine limits (epoch interruption, store limiter) and without them.
+//! 9. handler languages: Rust, Python and JavaScript side by side (`langs`).
 //!
 //! `--backend sled` runs every daemon of the figures on the sled store
 //! (`[store] backend = "sled"`) instead of SQLite, so that the two can be
@@ -82,6 +83,7 @@ use khata::job::{LeaseRef, Millis, NewJob};
 use khata::store::Store;
 use khata::store::sqlite::SqliteStore;
 
+mod langs;
 mod postgres;
 
 /// Jobs drained in figures 1, 2 and 6.
@@ -136,7 +138,7 @@ struct Args {
     #[arg(long)]
     million: bool,
     /// Run only these figures, e.g. `--only 1,4`.
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=8))]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=9))]
     only: Vec<u8>,
     /// Jobs drained in each run of figure 7's jobs/s (7a-7c).
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -214,6 +216,9 @@ async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
     }
     if wanted(8) {
         rows.extend(figure_plugins(bench).await?);
+    }
+    if wanted(9) {
+        rows.extend(langs::figure_languages(bench).await?);
     }
     Ok(rows)
 }
