@@ -1,4 +1,4 @@
-//! The Python and JavaScript example plugins, built with their SDKs by
+//! The Python, JavaScript and C example plugins, built with their SDKs by
 //! `scripts/build-plugins`, run through the real daemon and behave as their
 //! Rust twins: run twice, the effect happens once; through three `kill -9`,
 //! one charge per order and at most one email per user.
@@ -48,9 +48,17 @@ async fn start(config: &str, file: &str, guest: &str, queue: &str) -> Daemon {
 
 /// Kills the daemon three times at moments spread over the run, restarting
 /// it each time; each restart must find the compiled code in the cache.
-async fn three_kills(d: &mut Daemon, queue: &str) {
-    for pause in [300, 700, 500] {
+/// The first kill must land before every one of the queue's `total` jobs
+/// ended (the servers' delays make the run long enough), or the test would
+/// prove nothing about crashes.
+async fn three_kills(d: &mut Daemon, queue: &str, total: u64) {
+    for (n, pause) in [300, 700, 500].into_iter().enumerate() {
         tokio::time::sleep(Duration::from_millis(pause)).await;
+        if n == 0 {
+            let c = &d.queue(queue).await["counts"];
+            let ended = c["completed"].as_u64().unwrap() + c["dead"].as_u64().unwrap();
+            assert!(ended < total, "every job ended before the first kill: {c}");
+        }
         d.kill9();
         d.start().await;
         d.wait_plugin(queue).await;
@@ -142,7 +150,7 @@ async fn js_charge_customer_charges_once_when_run_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn js_charge_customer_charges_each_order_once_across_three_kill_nine() {
-    let payments = Payments::start_with_delay(Duration::from_millis(20)).await;
+    let payments = Payments::start_with_delay(Duration::from_millis(200)).await;
     let config = charge_queue(
         &payments.url(),
         "concurrency = 16\nmax_attempts = 20\nbackoff = { initial = \"10ms\", max = \"50ms\" }",
@@ -152,7 +160,7 @@ async fn js_charge_customer_charges_each_order_once_across_three_kill_nine() {
         .map(|i| json!({"id": format!("order-{i}"), "payload": {"order_id": i, "amount": 100, "currency": "EUR", "customer": "c"}}))
         .collect();
     enqueue_batch(&d, "charge", jobs).await;
-    three_kills(&mut d, "charge").await;
+    three_kills(&mut d, "charge", CRASH_JOBS).await;
     wait_ended(&d, "charge", CRASH_JOBS).await;
 
     for i in 0..CRASH_JOBS {
@@ -230,18 +238,32 @@ async fn python_welcome_email_is_sent_once_when_run_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_welcome_email_at_most_one_per_user_across_three_kill_nine() {
+    welcome_email_across_three_kill_nine("welcome_email_py").await;
+}
+
+/// The C twin (`plugins/c/welcome_email_c`, built by `sdk/c`'s
+/// `khata-build-c`) through the same crash test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c_welcome_email_at_most_one_per_user_across_three_kill_nine() {
+    welcome_email_across_three_kill_nine("welcome_email_c").await;
+}
+
+/// `guest` as `welcome_email` through three `kill -9`: at most one email
+/// per user, every user without one has an uncertain fence, and after the
+/// operator resolves them and retries, exactly one each.
+async fn welcome_email_across_three_kill_nine(guest: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let smtp = Smtp::start_with_delay(&tmp.path().join("mail"), Duration::from_millis(10));
+    let smtp = Smtp::start_with_delay(&tmp.path().join("mail"), Duration::from_millis(200));
     let config = welcome_queue(
         smtp.port,
         "concurrency = 16\nmax_attempts = 20\nbackoff = { initial = \"10ms\", max = \"50ms\" }",
     );
-    let mut d = start(&config, "welcome_email", "welcome_email_py", "welcome").await;
+    let mut d = start(&config, "welcome_email", guest, "welcome").await;
     let jobs = (0..CRASH_JOBS)
         .map(|u| json!({"id": format!("welcome-{u}"), "payload": {"user_id": u, "email": format!("u{u}@example.com"), "name": format!("U{u}")}}))
         .collect();
     enqueue_batch(&d, "welcome", jobs).await;
-    three_kills(&mut d, "welcome").await;
+    three_kills(&mut d, "welcome", CRASH_JOBS).await;
     wait_ended(&d, "welcome", CRASH_JOBS).await;
 
     let per_user = |smtp: &Smtp| {
