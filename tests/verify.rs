@@ -23,6 +23,8 @@ fn khata(args: &[&str]) -> Output {
     Command::new(KHATA)
         .args(args)
         .current_dir(workspace())
+        // The default code cache, kept in the build tree, not the home.
+        .env("XDG_CACHE_HOME", workspace().join("target/test-cache"))
         .output()
         .expect("run khata")
 }
@@ -88,6 +90,37 @@ fn runs(report: &Value) -> Vec<(String, Vec<(String, String)>)> {
             (r["name"].as_str().unwrap().to_owned(), calls)
         })
         .collect()
+}
+
+/// The compiled plugin is kept in the code cache: a second verify of the
+/// same component reads it back instead of compiling; `--no-code-cache`
+/// keeps nothing.
+#[test]
+fn a_second_verify_reads_the_compiled_plugin_from_the_code_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = cache.path().join("cc");
+    let dir = dir.to_str().unwrap();
+    let echo = guest("echo");
+    let payload = json!({"n": 1});
+    let with_cache = ["--code-cache", dir];
+    let (code, first) = verify_json(&echo, &payload, &with_cache);
+    assert_eq!(
+        (code, first["code"].as_str()),
+        (0, Some("compiled")),
+        "{first:#}"
+    );
+    let (code, second) = verify_json(&echo, &payload, &with_cache);
+    assert_eq!(
+        (code, second["code"].as_str()),
+        (0, Some("cache")),
+        "{second:#}"
+    );
+    let (code, none) = verify_json(&echo, &payload, &["--no-code-cache"]);
+    assert_eq!(
+        (code, none["code"].as_str()),
+        (0, Some("compiled (no cache)")),
+        "{none:#}"
+    );
 }
 
 #[test]

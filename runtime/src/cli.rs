@@ -350,6 +350,16 @@ pub struct VerifyArgs {
     #[arg(long, short = 'q', value_name = "QUEUE")]
     pub queue: Option<String>,
 
+    /// Keep compiled plugins in DIR, so that verifying the same component
+    /// again does not compile it again [default: $XDG_CACHE_HOME/khata/code-cache,
+    /// else ~/.cache/khata/code-cache]
+    #[arg(long, value_name = "DIR", conflicts_with = "no_code_cache")]
+    pub code_cache: Option<PathBuf>,
+
+    /// Compile the plugin every time; keep nothing on disk
+    #[arg(long)]
+    pub no_code_cache: bool,
+
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -554,6 +564,11 @@ impl Cli {
                     payload: args.payload,
                     queue: args.queue,
                     config: global.config_path(),
+                    code_cache: if args.no_code_cache {
+                        None
+                    } else {
+                        args.code_cache.or_else(crate::verify::default_code_cache)
+                    },
                 };
                 match crate::verify::verify(&options) {
                     Ok(report) => {

@@ -66,6 +66,23 @@ pub struct Options {
     /// Take grants, namespace and limits from this queue of `config`.
     pub queue: Option<String>,
     pub config: PathBuf,
+    /// wasmtime's compiled-code cache; `None`: compile every time. Its
+    /// entries are keyed by the component's bytes and the engine's settings,
+    /// so one directory serves every plugin and khata version safely.
+    pub code_cache: Option<PathBuf>,
+}
+
+/// The per-user code cache of `khata verify`: `$XDG_CACHE_HOME/khata/code-cache`,
+/// else `$HOME/.cache/khata/code-cache`; `None` when neither is set.
+pub fn default_code_cache() -> Option<PathBuf> {
+    let non_empty = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    non_empty("XDG_CACHE_HOME")
+        .or_else(|| non_empty("HOME").map(|h| h.join(".cache")))
+        .map(|base| base.join("khata").join("code-cache"))
 }
 
 /// Why verification could not run.
@@ -91,6 +108,9 @@ pub struct Report {
     pub plugin: String,
     /// The plugin's content hash (hex SHA-256).
     pub version: String,
+    /// How its code was had: `compiled`, read from the code `cache`, or
+    /// `compiled (no cache)`.
+    pub code: &'static str,
     pub payload: Value,
     /// `"queue <name> of <config>"` or `"everything the plugin imports"`.
     pub grants: String,
@@ -496,7 +516,8 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
         instances: 2,
         max_memory: limits.memory,
     };
-    let host = Host::new(&pool, None).map_err(|e| VerifyError::Failed(format!("{e:#}")))?;
+    let host = Host::new(&pool, options.code_cache.as_deref())
+        .map_err(|e| VerifyError::Failed(format!("{e:#}")))?;
     let plugin = host
         .load(&name, &bytes)
         .map_err(|e| VerifyError::Input(format!("{}: {e}", path.display())))?;
@@ -587,6 +608,7 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
     Ok(Report {
         plugin: path.display().to_string(),
         version: bench.plugin.version.clone(),
+        code: bench.plugin.code.as_str(),
         payload: options.payload.clone(),
         grants: described,
         runs,
@@ -818,9 +840,10 @@ impl Report {
         let clean = self.runs.first();
         let _ = writeln!(
             s,
-            "plugin {} (version {}), payload {}, grants: {}",
+            "plugin {} (version {}, code {}), payload {}, grants: {}",
             self.plugin,
             crate::host::short_version(&self.version),
+            self.code,
             self.payload,
             self.grants
         );
