@@ -152,6 +152,14 @@ async fn token_is_required_when_configured() {
         .await
         .unwrap();
     assert_eq!(health.status().as_u16(), 200, "healthz needs no token");
+    let ready = client
+        .get(format!("{}/readyz", d.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status().as_u16(), 200, "readyz needs no token");
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert_eq!(body["status"], "ready", "the store answers: {body}");
     assert_eq!(job_count(&d).await, 1, "refused requests enqueued nothing");
 }
 

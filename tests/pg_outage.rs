@@ -225,6 +225,10 @@ async fn database_down_answers_503_and_daemons_recover_by_themselves() {
     )
     .await;
     let active = sql_count(&pg, "SELECT COUNT(*) FROM jobs WHERE state = 'active'").await;
+    for d in &ds {
+        let (status, v) = d.call("GET", "/readyz", None).await;
+        assert_eq!((status, &v["status"]), (200, &json!("ready")), "{v}");
+    }
 
     block(|| pg.stop_server());
     // Down for longer than a lease: every heartbeat fails meanwhile.
@@ -255,6 +259,12 @@ async fn database_down_answers_503_and_daemons_recover_by_themselves() {
             "daemon {i} exited while the database was down\n{}",
             d.log()
         );
+        // Alive, not ready.
+        let (status, _) = d.call("GET", "/healthz", None).await;
+        assert_eq!(status, 200, "liveness while the database is down");
+        let (status, v) = d.call("GET", "/readyz", None).await;
+        assert_eq!(status, 503, "readiness while the database is down: {v}");
+        assert_eq!(v["error"]["code"], "storage_unavailable", "{v}");
     }
     block(|| pg.start_server());
 
@@ -268,6 +278,10 @@ async fn database_down_answers_503_and_daemons_recover_by_themselves() {
             enqueue_until_acknowledged(std::slice::from_ref(t), "work", &body).await;
             acked.insert(body["id"].as_str().unwrap().to_owned());
         }
+    }
+    for d in &ds {
+        let (status, v) = d.call("GET", "/readyz", None).await;
+        assert_eq!(status, 200, "ready again once the database is back: {v}");
     }
     let ids_sql = sql_ids(&acked);
     wait_count(

@@ -1,7 +1,7 @@
 //! The HTTP API (DESIGN 6.2): JSON routes over the store and the queues.
 //!
-//! Every route but `/healthz` and the dashboard's static files (`dashboard`)
-//! needs the bearer token when one is configured.
+//! Every route but `/healthz`, `/readyz` and the dashboard's static files
+//! (`dashboard`) needs the bearer token when one is configured.
 //! Errors are `{"error": {"code", "message"}}`; a refused request changes
 //! nothing. An enqueue is answered only once the job is durable.
 
@@ -134,6 +134,7 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(ready))
         .merge(dashboard::routes())
         .merge(api)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
@@ -458,6 +459,26 @@ impl<'a> JobView<'a> {
 
 async fn list_schedules(State(state): State<AppState>) -> Json<Value> {
     Json(json!({"schedules": state.schedules.views(state.queues.now())}))
+}
+
+/// How long `/readyz` waits for the store before calling it unavailable.
+const READY_WAIT: Duration = Duration::from_secs(2);
+
+/// Readiness, beside `/healthz`'s liveness: 200 `{"status": "ready"}` when
+/// the store answers a read within [`READY_WAIT`], else 503
+/// `storage_unavailable`, so that a load balancer sends enqueues to a
+/// daemon that can take them. Needs no token, as `/healthz`.
+async fn ready(State(state): State<AppState>) -> ApiResult<Json<Value>> {
+    // A read of an id no job can have (ids are not empty): one indexed look-up.
+    match tokio::time::timeout(READY_WAIT, state.store.job("", state.queues.now())).await {
+        Ok(Ok(_)) => Ok(Json(json!({"status": "ready"}))),
+        Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string()).into()),
+        Err(_) => Err(StoreError::Unavailable(format!(
+            "the store did not answer within {}",
+            humantime::format_duration(READY_WAIT)
+        ))
+        .into()),
+    }
 }
 
 async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
