@@ -184,12 +184,62 @@ async fn js_charge_customer_charges_each_order_once_across_three_kill_nine() {
 
 #[tokio::test]
 async fn python_welcome_email_is_sent_once_when_run_twice() {
+    welcome_email_is_sent_once_when_run_twice("welcome_email_py").await;
+}
+
+#[tokio::test]
+async fn c_welcome_email_is_sent_once_when_run_twice_and_refuses_bad_payloads() {
+    let (d, smtp, _tmp) = welcome_email_is_sent_once_when_run_twice("welcome_email_c").await;
+    // A bad payload fails naming the field, and sends nothing.
+    for (bad, expected) in [
+        (
+            json!({"user_id": -1, "email": "x@example.com", "name": "X"}),
+            "bad payload: user_id must be a non-empty string or a non-negative integer, got -1",
+        ),
+        (
+            json!({"user_id": "u-1", "name": "X"}),
+            "bad payload: missing field `email`",
+        ),
+        (
+            json!({"user_id": "u-1", "email": 5, "name": "X"}),
+            "bad payload: email must be a string, got 5",
+        ),
+    ] {
+        let id = d.enqueue("welcome", payload(bad)).await;
+        let j = d.wait_state(&id, "dead", 60).await;
+        assert_eq!(j["last_error"], expected, "{j}");
+    }
+    assert_eq!(smtp.messages().len(), 1, "nothing more was sent");
+}
+
+#[tokio::test]
+async fn c_echo_needs_no_grant_and_returns_its_payload() {
+    let d = start(
+        "[queues.echo]\nplugin = \"echo\"\nmax_attempts = 1\n",
+        "echo",
+        "echo_c",
+        "echo",
+    )
+    .await;
+    let body = json!({"hello": "wörld", "n": [1, 2.5, null], "nested": {"ok": true}});
+    let id = d.enqueue("echo", payload(body.clone())).await;
+    let j = d.wait_state(&id, "completed", 60).await;
+    assert_eq!(j["result"], body, "{j}");
+}
+
+/// `guest` as `welcome_email`, the twin of the Rust example: run twice, one
+/// message; another message under the same user's key is refused naming
+/// the user. Returns the daemon and the SMTP server (in the directory) for
+/// more checks.
+async fn welcome_email_is_sent_once_when_run_twice(
+    guest: &str,
+) -> (Daemon, Smtp, tempfile::TempDir) {
     let tmp = tempfile::tempdir().unwrap();
     let smtp = Smtp::start(&tmp.path().join("mail"));
     let d = start(
         &welcome_queue(smtp.port, "max_attempts = 1"),
         "welcome_email",
-        "welcome_email_py",
+        guest,
         "welcome",
     )
     .await;
@@ -234,6 +284,7 @@ async fn python_welcome_email_is_sent_once_when_run_twice() {
         "{j}"
     );
     assert_eq!(smtp.messages().len(), 1, "nothing more was sent");
+    (d, smtp, tmp)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

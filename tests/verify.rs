@@ -133,7 +133,7 @@ fn the_example_plugins_verify_clean() {
         &'static [&'static str],
         &'static [(&'static str, &'static str)],
     );
-    let cases: [Case; 4] = [
+    let cases: [Case; 6] = [
         (
             "welcome_email",
             json!({"user_id": 7, "email": "ada@example.com", "name": "Ada"}),
@@ -153,6 +153,13 @@ fn the_example_plugins_verify_clean() {
             &[("index", "products/p1"), ("kv", "indexed:p1")],
         ),
         ("echo", json!({"hello": "world"}), &[], &[]),
+        (
+            "welcome_email_c",
+            json!({"user_id": 7, "email": "ada@example.com", "name": "Ada"}),
+            &[],
+            &[("email", "welcome:7"), ("kv", "welcomed:7")],
+        ),
+        ("echo_c", json!({"hello": "world"}), &[], &[]),
     ];
     for (plugin, payload, extra, effects) in cases {
         let (code, report) = verify_json(&guest(plugin), &payload, extra);

@@ -592,7 +592,7 @@ PYTHONPATH={sdk} exec python3 -m unittest discover -s src -t src "$@"
 }
 
 fn python_readme(name: &str, sdk: &Path) -> String {
-    fill(PYTHON_README, name, sdk)
+    fill(&[PYTHON_README, README_VERIFY_DEPLOY].concat(), name, sdk)
 }
 
 fn js_package_json(name: &str, sdk: &Path) -> String {
@@ -621,7 +621,7 @@ fn js_handler(name: &str) -> String {
 }
 
 fn js_readme(name: &str, sdk: &Path) -> String {
-    fill(JS_README, name, sdk)
+    fill(&[JS_README, README_VERIFY_DEPLOY].concat(), name, sdk)
 }
 
 const PYTHON_HANDLER: &str = r#""""`@NAME@`: a khata handler.
@@ -744,41 +744,6 @@ runs the unit tests in `src/test_@NAME@.py` with plain Python. The effects
 (kv, index, email, http) exist only inside the daemon, where calling them
 outside it raises `NoHost`; to run the whole handler, verify it.
 
-## Verify
-
-```sh
-khata verify @NAME@.wasm --payload '@PAYLOAD@'
-```
-
-runs the handler against a throwaway ledger with recorded providers
-(nothing is sent), then again after a crash at every effect boundary, and
-once more from the start. It exits 0 when the handler is safe to run twice,
-and 1 with what to change otherwise: keys built from time or randomness,
-requests that change under one key, effects performed twice. Add
-`--queue QUEUE -c jobs.toml` to run with that queue's grants and limits.
-
-## Deploy
-
-Copy the component into the daemon's `plugins_dir` under the plugin name a
-queue uses, and give that queue the grants the handler needs:
-
-```sh
-cp @NAME@.wasm /path/to/plugins_dir/@NAME@.wasm
-```
-
-```toml
-[queues.@NAME@]
-plugin = "@NAME@"
-grants = { kv = true, email = true }
-```
-
-The daemon loads the new file by itself (it watches `plugins_dir`) and
-compiles it once (the compiled code is kept in `data_dir/code-cache`). A new
-queue needs a reload (`kill -HUP`). Then:
-
-```sh
-khata enqueue @NAME@ '@PAYLOAD@'
-```
 "#;
 
 const JS_HANDLER: &str = r#"// `@NAME@`: a khata handler.
@@ -890,7 +855,10 @@ runs `test/*.test.js` with Node's test runner on the logic in
 the daemon, so keep what you unit-test in modules that do not import
 `khata-sdk`; to run the whole handler, verify it.
 
-## Verify
+"#;
+
+/// The end of the Python and JavaScript projects' READMEs: verify, deploy.
+const README_VERIFY_DEPLOY: &str = r#"## Verify
 
 ```sh
 khata verify @NAME@.wasm --payload '@PAYLOAD@'
