@@ -425,7 +425,14 @@ pub struct StoreConfig {
     /// A lease not renewed by heartbeat for this long expires.
     pub lease: Duration,
     pub heartbeat: Duration,
+    /// sled's page cache, in bytes (only with `sled`): the most of the
+    /// ledger it keeps in memory.
+    pub cache: u64,
 }
+
+/// sled's page cache unless `[store] cache` says otherwise: sled's own
+/// default (1 GiB) makes a million-job ledger use well over a GiB of RSS.
+pub const SLED_CACHE: u64 = 64 * MIB;
 
 impl Default for StoreConfig {
     fn default() -> Self {
@@ -435,6 +442,7 @@ impl Default for StoreConfig {
             pool: 16,
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(5),
+            cache: SLED_CACHE,
         }
     }
 }
@@ -770,6 +778,7 @@ struct RawStore {
     pool: Opt<RawInt>,
     lease: Opt<String>,
     heartbeat: Opt<String>,
+    cache: Opt<RawSize>,
 }
 
 /// A size: `"64MiB"` or a number of bytes.
@@ -1676,12 +1685,26 @@ impl<'a> Checker<'a> {
             .map_or(defaults.pool, |p| p as u32);
         let lease = self.duration("store.lease", raw.lease.as_ref(), true);
         let heartbeat = self.duration("store.heartbeat", raw.heartbeat.as_ref(), true);
+        let cache = self.size("store.cache", raw.cache.as_ref(), MIB);
+        if let Some(c) = &raw.cache
+            && backend != Backend::Sled
+        {
+            self.issue(
+                "store.cache",
+                Some(c.span()),
+                format!(
+                    "cache is only used by backend \"sled\" (its page cache); backend is \"{}\"",
+                    backend.as_str()
+                ),
+            );
+        }
         let resolved = StoreConfig {
             backend,
             url,
             pool,
             lease: lease.unwrap_or(defaults.lease),
             heartbeat: heartbeat.unwrap_or(defaults.heartbeat),
+            cache: cache.unwrap_or(defaults.cache),
         };
         let values_ok = (raw.lease.is_none() || lease.is_some())
             && (raw.heartbeat.is_none() || heartbeat.is_some());
@@ -2613,6 +2636,7 @@ reconcile = { method = "get", path = "/v1/messages" }
 [store]
 backend = "sled"
 pool = 2
+cache = "32MiB"
 "#,
         )
         .unwrap();
@@ -2641,7 +2665,19 @@ pool = 2
         );
         assert_eq!(config.store.backend, Backend::Sled);
         assert_eq!(config.store.pool, 2);
+        assert_eq!(config.store.cache, 32 * MIB);
         assert!(!format!("{:?}", config.email).contains("\"khata\""));
+    }
+
+    #[test]
+    fn store_cache_only_with_sled_and_at_least_a_mebibyte() {
+        assert_eq!(parse("").unwrap().store.cache, SLED_CACHE);
+        let issues = errors("[store]\ncache = \"64MiB\"\n");
+        let found = issue(&issues, "store.cache");
+        assert_eq!((found.line, found.column), (Some(2), Some(9)), "{found:?}");
+        assert!(found.message.contains("only used by backend \"sled\""), "{found:?}");
+        let issues = errors("[store]\nbackend = \"sled\"\ncache = \"12KiB\"\n");
+        assert_eq!(issue(&issues, "store.cache").line, Some(3));
     }
 
     #[test]

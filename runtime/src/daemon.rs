@@ -159,9 +159,9 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
         }
         Backend::Sled => {
             let data_dir = &config.daemon.data_dir;
-            let store = SledStore::open(data_dir)
+            let store = SledStore::open_with_cache(data_dir, config.store.cache)
                 .with_context(|| format!("opening the sled ledger in {}", data_dir.display()))?;
-            tracing::info!(path = %store.path().display(), "the ledger is in sled");
+            tracing::info!(path = %store.path().display(), cache = %bytesize::ByteSize(config.store.cache), "the ledger is in sled");
             Arc::new(store)
         }
         Backend::Sqlite => {

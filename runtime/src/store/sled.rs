@@ -808,6 +808,12 @@ impl SledStore {
     /// the directory's lock and checks the key layout. A created ledger is
     /// durable (its directory entries synced) when this returns.
     pub fn open(dir: &Path) -> Result<SledStore, StoreError> {
+        SledStore::open_with_cache(dir, crate::config::SLED_CACHE)
+    }
+
+    /// [`SledStore::open`] with a page cache of `cache` bytes, the most of
+    /// the ledger sled keeps in memory (`[store] cache`).
+    pub fn open_with_cache(dir: &Path, cache: u64) -> Result<SledStore, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
         let lock_path = dir.join("khata.lock");
@@ -827,6 +833,7 @@ impl SledStore {
         let db = loop {
             let opened = sled::Config::new()
                 .path(&path)
+                .cache_capacity(cache)
                 // The writer is the only flusher (concurrent flushes deadlock).
                 .flush_every_ms(None)
                 .open();
