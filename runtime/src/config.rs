@@ -2675,7 +2675,10 @@ cache = "32MiB"
         let issues = errors("[store]\ncache = \"64MiB\"\n");
         let found = issue(&issues, "store.cache");
         assert_eq!((found.line, found.column), (Some(2), Some(9)), "{found:?}");
-        assert!(found.message.contains("only used by backend \"sled\""), "{found:?}");
+        assert!(
+            found.message.contains("only used by backend \"sled\""),
+            "{found:?}"
+        );
         let issues = errors("[store]\nbackend = \"sled\"\ncache = \"12KiB\"\n");
         assert_eq!(issue(&issues, "store.cache").line, Some(3));
     }
