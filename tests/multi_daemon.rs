@@ -95,8 +95,8 @@ async fn wait_sql(db: &TestDatabase, sql: &str, n: i64, what: &str, logs: &[&Dae
 /// are recorded as abandoned and redelivered after their leases expired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_daemons_complete_every_job_once_across_kill_nine() {
-    const ECHO: usize = 2000;
-    const ORDERS: usize = 300;
+    const ECHO: usize = 5000;
+    const ORDERS: usize = 500;
     let db = TestDatabase::create().await;
     let payments = Payments::start_with_delay(Duration::from_millis(40)).await;
     let queues = format!(
@@ -144,7 +144,7 @@ async fn three_daemons_complete_every_job_once_across_kill_nine() {
         assert_eq!(status, 200, "{v}");
     }
     // Killed at random points of the run, while charges are in flight.
-    for (lo, hi) in [(20, 100), (150, 250)] {
+    for (lo, hi) in [(20, 150), (200, 400)] {
         let at = i64::try_from(jitter_ms(lo, hi)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(120);
         while sql_count(
