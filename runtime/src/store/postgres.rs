@@ -3,10 +3,11 @@
 //!
 //! # Transactions
 //!
-//! Every trait method is one transaction on one pooled connection (READ
-//! COMMITTED), so PostgreSQL's own group commit does what the SQLite writer
-//! thread does: concurrent transactions that commit together share a WAL
-//! flush. The rules that SQLite gets from having one writer are written
+//! Every trait method but `finish` is one transaction on one pooled
+//! connection (READ COMMITTED), so PostgreSQL's own group commit does what
+//! the SQLite writer thread does: concurrent transactions that commit
+//! together share a WAL flush. Finishes are grouped by the store itself
+//! (below). The rules that SQLite gets from having one writer are written
 //! into the statements instead:
 //!
 //! - **Leasing** takes the head of the ready order (priority desc, `run_at`,
@@ -38,6 +39,38 @@
 //!   64 rows per queue and state; only `delayed` is counted on an index, in
 //!   proportion to the delayed jobs.
 //!
+//! # Group commit of finishes
+//!
+//! A finish is the one step every job takes once per attempt, and each
+//! transaction costs the server its round trips and a WAL flush. So
+//! [`Store::finish`] hands its finish to the store's finisher task, which
+//! takes every finish waiting (up to [`FINISH_BATCH`], a job at most once)
+//! and applies them together in one transaction of two statements:
+//!
+//! 1. the jobs, read and locked `FOR UPDATE` in the order of their ids (so
+//!    that the groups of several daemons never wait on each other in a
+//!    cycle), each with its lease token, its dedup key and whether its lease
+//!    is unexpired on the database's clock, taken after the lock;
+//! 2. every write of the group in one statement of data-modifying CTEs: the
+//!    attempts closed, the jobs moved (one `UPDATE` from `unnest` arrays, so
+//!    the count trigger fires once), the dedup keys of jobs that ended
+//!    released (only for jobs that have one), the queue's concurrency
+//!    waiters woken and the queues with a job back to waiting notified.
+//!
+//! Each finish keeps its own answer: `Fenced` (the attempt's record is
+//! closed all the same, as abandoned when its lease had expired) and
+//! `NotFound` are outcomes inside the transaction, not failures of it. A
+//! group that loses a race (deadlock) is rerun whole; one that a statement
+//! error fails while the connection stays up is applied again one finish
+//! per transaction, so that the error is that finish's alone; a lost
+//! connection fails the whole group with `Unavailable`. Every caller hears
+//! only after the COMMIT that holds its finish.
+//!
+//! Enqueues of a batch without dedup keys (and distinct ids) are one
+//! `INSERT ... SELECT FROM unnest(...) ON CONFLICT (id) DO NOTHING`; the ids
+//! it did not insert are read back to answer them as deduplicated (or
+//! `IdReused`). A batch with dedup keys goes job by job.
+//!
 //! # What is durable when a method returns
 //!
 //! Every method that writes commits with `synchronous_commit` on (a
@@ -50,7 +83,8 @@
 //! - the trait's **durable** methods (`enqueue`, `finish`, `recover`,
 //!   `cancel`, `retry`, `sweep`, `fence_begin`, `fence_take_over`,
 //!   `fence_done`, `fence_release`, `fence_uncertain`, `fence_resolve`):
-//!   durable when they return, as the trait requires;
+//!   durable when they return, as the trait requires (`finish` returns
+//!   after the COMMIT of the group that holds it);
 //! - the trait's **applied** methods (`lease`, `kv_put`,
 //!   `kv_insert_if_absent`, `kv_delete`, `index_upsert`, `index_remove`,
 //!   `record_effect`): durable when they return too, which is more than the
@@ -123,7 +157,11 @@
 //!   (`queue_starts`, at the database's time `attempts.leased_at`) and
 //!   leases at most what is left. A lease held back by `concurrency` records
 //!   a wait in `queue_waits`; the next finish, cancel or reclaim of the
-//!   queue consumes it and `NOTIFY`s. [`Store::lease`] takes no lock.
+//!   queue consumes it and `NOTIFY`s. A finish or cancel takes the queue's
+//!   advisory lock shared before it looks for that wait, so that a wait is
+//!   never recorded unseen between the two (the lease then waits for the
+//!   finish's commit and counts its attempt as ended). [`Store::lease`]
+//!   takes no lock.
 //! - A step never idles inside its transaction, unless its daemon is paused:
 //!   the pool's sessions run with `idle_in_transaction_session_timeout` set
 //!   to the lease, so the server ends a paused daemon's open transaction
@@ -416,6 +454,9 @@ pub struct PostgresStore {
     held: std::sync::Mutex<std::collections::HashMap<LeaseRef, std::time::Instant>>,
     /// The wake-up listener, stopped with the store.
     listener: std::sync::Mutex<Option<AbortOnDrop>>,
+    /// The finisher's queue ([`finisher`]); it stops once this is dropped
+    /// and it has answered every finish sent.
+    finishes: tokio::sync::mpsc::UnboundedSender<FinishReq>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -732,7 +773,10 @@ impl PostgresStore {
             }))
             .build()
             .map_err(unavailable)?;
+        let (finishes, queued) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(finisher(pool.clone(), target.clone(), queued));
         let store = PostgresStore {
+            finishes,
             pool,
             target,
             cfg,
@@ -777,15 +821,20 @@ impl PostgresStore {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
-        self.pool.get().await.map_err(|e| {
-            StoreError::Unavailable(match e {
-                deadpool_postgres::PoolError::Backend(e) => {
-                    format!("PostgreSQL at {}: {}", self.target, describe(&e))
-                }
-                other => format!("PostgreSQL at {}: {other}", self.target),
-            })
-        })
+        pool_client(&self.pool, &self.target).await
     }
+}
+
+/// A pooled connection; the error names the database's `target`.
+async fn pool_client(pool: &Pool, target: &str) -> Result<deadpool_postgres::Client, StoreError> {
+    pool.get().await.map_err(|e| {
+        StoreError::Unavailable(match e {
+            deadpool_postgres::PoolError::Backend(e) => {
+                format!("PostgreSQL at {target}: {}", describe(&e))
+            }
+            other => format!("PostgreSQL at {target}: {other}"),
+        })
+    })
 }
 
 async fn warn_if_not_durable(
@@ -1186,6 +1235,126 @@ async fn enqueue_one<C: GenericClient>(
     })
 }
 
+/// Enqueues a batch. A batch without dedup keys whose ids are distinct is
+/// inserted in one statement (`ON CONFLICT (id) DO NOTHING`, in the
+/// batch's order, so that `seq` keeps it); the ids it did not insert
+/// existed (or a concurrent enqueue committed them first, which the insert
+/// waited for) and are read back in one more statement: the same payload
+/// and queue is that job, deduplicated; anything else is `IdReused`. Other
+/// batches go job by job ([`enqueue_one`]), since a job's dedup key or id
+/// may name one enqueued before it in the batch.
+async fn enqueue_batch<C: GenericClient>(
+    c: &C,
+    jobs: &[NewJob],
+    now: Millis,
+) -> Result<Vec<Enqueued>, Fail> {
+    let mut named = std::collections::HashSet::new();
+    let one_statement = jobs
+        .iter()
+        .all(|j| j.dedup_key.is_none() && j.id.as_deref().is_none_or(|id| named.insert(id)));
+    if !one_statement {
+        let mut out = Vec::with_capacity(jobs.len());
+        for (i, j) in jobs.iter().enumerate() {
+            out.push(enqueue_one(c, j, i, now).await?);
+        }
+        return Ok(out);
+    }
+    let ids: Vec<String> = jobs
+        .iter()
+        .map(|j| {
+            j.id.clone()
+                .unwrap_or_else(|| uuid::Uuid::now_v7().to_string())
+        })
+        .collect();
+    let queues: Vec<&str> = jobs.iter().map(|j| j.queue.as_str()).collect();
+    let payloads: Vec<&str> = jobs.iter().map(|j| j.payload.as_str()).collect();
+    let priorities: Vec<i32> = jobs.iter().map(|j| j.priority).collect();
+    let run_ats: Vec<i64> = jobs.iter().map(|j| j.run_at.0).collect();
+    let max_attempts: Vec<i32> = jobs.iter().map(|j| i32_of(j.max_attempts)).collect();
+    let inserted = rows(
+        c,
+        "INSERT INTO jobs (id, queue, state, payload, priority, run_at, max_attempts, enqueued_at) \
+         SELECT v.id, v.queue, 'waiting', v.payload, v.priority, v.run_at, v.max_attempts, $7 \
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::integer[], $5::bigint[], $6::integer[]) \
+             WITH ORDINALITY AS v(id, queue, payload, priority, run_at, max_attempts, n) \
+         ORDER BY v.n \
+         ON CONFLICT (id) DO NOTHING RETURNING id",
+        &[
+            &ids,
+            &queues,
+            &payloads,
+            &priorities,
+            &run_ats,
+            &max_attempts,
+            &now.0,
+        ],
+    )
+    .await?;
+    let inserted: std::collections::HashSet<String> = inserted
+        .iter()
+        .map(|r| r.try_get(0))
+        .collect::<Result<_, _>>()?;
+    let mut existing = std::collections::HashMap::new();
+    if inserted.len() < ids.len() {
+        let others: Vec<&str> = ids
+            .iter()
+            .filter(|id| !inserted.contains(*id))
+            .map(String::as_str)
+            .collect();
+        let found = rows(
+            c,
+            &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY($1::text[])"),
+            &[&others],
+        )
+        .await?;
+        for r in &found {
+            let job = job_from_row(r, now)?;
+            existing.insert(job.id.clone(), job);
+        }
+    }
+    let mut out = Vec::with_capacity(jobs.len());
+    for (index, (job, id)) in jobs.iter().zip(ids).enumerate() {
+        if !inserted.contains(&id) {
+            let Some(found) = existing.remove(&id) else {
+                // Gone again since the conflict (swept): the rerun creates it.
+                return Err(Fail::Rerun(format!(
+                    "job {id:?} vanished during its enqueue"
+                )));
+            };
+            if found.payload == job.payload && found.queue == job.queue {
+                out.push(Enqueued {
+                    job: found,
+                    deduplicated: true,
+                });
+                continue;
+            }
+            return Err(Fail::Store(StoreError::IdReused { id, index }));
+        }
+        // The row just written, without reading it back.
+        out.push(Enqueued {
+            job: Job {
+                id,
+                queue: job.queue.clone(),
+                state: visible_state(JobState::Waiting, job.run_at, now),
+                payload: job.payload.clone(),
+                priority: job.priority,
+                attempt: 0,
+                budget_used: 0,
+                max_attempts: job.max_attempts,
+                dedup_key: None,
+                run_at: job.run_at,
+                enqueued_at: now,
+                finished_at: None,
+                result: None,
+                last_error: None,
+                attempts: Vec::new(),
+            },
+            deduplicated: false,
+        });
+    }
+    Ok(out)
+}
+
 /// Leases up to `max` ready jobs of `queue` for `owner`; their attempts
 /// start at `now` (the caller's clock) and at `at` on the database's clock
 /// (`leased_at`; `None`: the clock now).
@@ -1367,6 +1536,16 @@ async fn lease_limited<C: GenericClient>(
 /// Wakes the daemons waiting for room in `queue`'s concurrency, once per
 /// wait: an attempt of the queue ended or gave its job back.
 async fn wake_waiters<C: GenericClient>(c: &C, queue: &str) -> Result<(), Fail> {
+    // Shared with the other ends of attempts, exclusive with a limited
+    // lease of the queue: a wait that lease records is either committed
+    // and seen below, or taken after this step's commit, when its count no
+    // longer holds this attempt (see `finish_statements`).
+    exec(
+        c,
+        "SELECT pg_advisory_xact_lock_shared($1, hashtext($2))",
+        &[&QUEUE_LOCK, &queue],
+    )
+    .await?;
     let waited = rows(
         c,
         "DELETE FROM queue_waits WHERE queue = $1 RETURNING queue",
@@ -1376,29 +1555,6 @@ async fn wake_waiters<C: GenericClient>(c: &C, queue: &str) -> Result<(), Fail> 
     if !waited.is_empty() {
         notify(c, queue).await?;
     }
-    Ok(())
-}
-
-async fn close_attempt<C: GenericClient>(
-    c: &C,
-    lease: &LeaseRef,
-    outcome: AttemptOutcome,
-    error: Option<&str>,
-    now: Millis,
-) -> Result<(), Fail> {
-    exec(
-        c,
-        "UPDATE attempts SET ended_at = $3, outcome = $4, error = $5 \
-         WHERE job_id = $1 AND token = $2 AND ended_at IS NULL",
-        &[
-            &lease.job_id,
-            &i64_of(lease.token),
-            &now.0,
-            &outcome.as_str(),
-            &error,
-        ],
-    )
-    .await?;
     Ok(())
 }
 
@@ -1421,110 +1577,364 @@ async fn end_job<C: GenericClient>(
     release_dedup(c, &[id.to_owned()], now).await
 }
 
-/// The attempt's end. `Ok(Err(Fenced))` when the attempt no longer holds its
-/// job: its record is closed all the same, and that part commits.
-async fn finish_step<C: GenericClient>(
-    c: &C,
-    lease: &LeaseRef,
-    finish: &Finish,
+/// Finishes grouped in one transaction at most.
+const FINISH_BATCH: usize = 64;
+
+/// One [`Store::finish`] waiting for the finisher; `answer` is sent after
+/// the COMMIT that holds it (or with the error that kept it from one).
+struct FinishReq {
+    lease: LeaseRef,
+    finish: Finish,
     now: Millis,
-) -> Result<Result<JobState, StoreError>, Fail> {
-    let (job, token) = lock_job(c, &lease.job_id, now).await?;
-    let mine = job.state == JobState::Active && token == Some(i64_of(lease.token));
-    let holds = mine && lease_unexpired(c, &lease.job_id).await?;
-    let (outcome, error) = match finish {
-        Finish::Completed { .. } => (AttemptOutcome::Completed, None),
-        Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
-            (*outcome, Some(error.as_str()))
+    answer: tokio::sync::oneshot::Sender<Result<JobState, StoreError>>,
+}
+
+/// The group commit of finishes: takes every finish waiting (up to
+/// [`FINISH_BATCH`], each job at most once) and applies them in one
+/// transaction, so that they share its round trips and its WAL flush; each
+/// caller hears after that COMMIT. Ends when the store is dropped (every
+/// sender gone) and the channel is drained.
+async fn finisher(
+    pool: Pool,
+    target: String,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<FinishReq>,
+) {
+    let mut waiting: Vec<FinishReq> = Vec::new();
+    loop {
+        if waiting.is_empty() {
+            match rx.recv().await {
+                Some(r) => waiting.push(r),
+                None => return,
+            }
         }
-        Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
-    };
-    if mine && !holds {
-        // The lease expired before the attempt ended: what the attempt did
-        // does not count, and the job is reclaimed like any expired lease.
-        let error = format!(
-            "{LEASE_EXPIRED}; the attempt ended as {} afterwards",
-            outcome.as_str()
+        while waiting.len() < FINISH_BATCH {
+            match rx.try_recv() {
+                Ok(r) => waiting.push(r),
+                Err(_) => break,
+            }
+        }
+        // A second finish of a job in the group (a stale attempt's and its
+        // successor's) waits for the next group: a group locks each job once.
+        let mut ids = std::collections::HashSet::new();
+        let (group, later): (Vec<FinishReq>, Vec<FinishReq>) = waiting
+            .drain(..)
+            .partition(|r| ids.insert(r.lease.job_id.clone()));
+        waiting = later;
+        finish_group(&pool, &target, group).await;
+    }
+}
+
+/// Applies `group` in one transaction and answers each finish. A group that
+/// lost a race (deadlock) is rerun whole; one that failed for another
+/// reason while the connection stayed up (a statement refused) is applied
+/// again one finish per transaction, so that one finish's error is its
+/// own; a lost connection fails every finish of the group (`Unavailable`:
+/// the COMMIT may or may not have happened).
+async fn finish_group(pool: &Pool, target: &str, group: Vec<FinishReq>) {
+    let outcome = finish_tx(pool, target, &group).await;
+    match outcome {
+        Ok(answers) => {
+            for (r, a) in group.into_iter().zip(answers) {
+                let _ = r.answer.send(a);
+            }
+        }
+        Err((_, true)) if group.len() > 1 => {
+            for r in group {
+                let a = match finish_tx(pool, target, std::slice::from_ref(&r)).await {
+                    Ok(mut a) => a.pop().unwrap_or_else(|| Err(unavailable("no answer"))),
+                    Err((e, _)) => Err(e),
+                };
+                let _ = r.answer.send(a);
+            }
+        }
+        Err((e, _)) => {
+            for r in group {
+                let _ = r.answer.send(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// One transaction applying `group` (distinct jobs), rerun when it lost a
+/// race. The error says whether the connection is still up, so that the
+/// finishes may be tried one at a time.
+async fn finish_tx(
+    pool: &Pool,
+    target: &str,
+    group: &[FinishReq],
+) -> Result<Vec<Result<JobState, StoreError>>, (StoreError, bool)> {
+    let mut reruns = 0u32;
+    loop {
+        let mut client = pool_client(pool, target).await.map_err(|e| (e, false))?;
+        let tx = begin(&mut client, Mode::Write)
+            .await
+            .map_err(|e| (e, false))?;
+        match finish_statements(&tx, group).await {
+            Ok(answers) => {
+                return match tx.commit().await {
+                    Ok(()) => Ok(answers),
+                    Err(e) => Err((e.into(), false)),
+                };
+            }
+            Err(Fail::Store(e)) => {
+                let _ = tx.rollback().await;
+                return Err((e, !client.is_closed()));
+            }
+            Err(Fail::Rerun(why)) => {
+                let _ = tx.rollback().await;
+                reruns += 1;
+                if reruns > MAX_RERUNS {
+                    return Err((
+                        StoreError::Unavailable(format!(
+                            "gave up after {MAX_RERUNS} conflicts with concurrent steps: {why}"
+                        )),
+                        false,
+                    ));
+                }
+                tracing::debug!(reruns, reason = %why, "finishes lost a race; running them again");
+                tokio::time::sleep(Duration::from_millis(u64::from(reruns.min(10)) * 2)).await;
+            }
+        }
+    }
+}
+
+/// The attempts' ends of `group` (distinct jobs) in two statements: the jobs
+/// read and locked in the order of their ids (so that groups of several
+/// daemons never wait on each other in a cycle), then every write in one
+/// statement. Per finish, `Fenced` when its attempt no longer holds the job
+/// (its attempt record is closed all the same, and that part commits),
+/// `NotFound` when there is no such job (nothing written).
+async fn finish_statements<C: GenericClient>(
+    c: &C,
+    group: &[FinishReq],
+) -> Result<Vec<Result<JobState, StoreError>>, Fail> {
+    let mut ids: Vec<&str> = group.iter().map(|r| r.lease.job_id.as_str()).collect();
+    ids.sort_unstable();
+    // After each job's row lock, its queue's advisory lock is taken shared
+    // (column 7, void): a limited lease of the queue (which holds it
+    // exclusively to its commit) then either committed before, so that its
+    // wait in `queue_waits` is seen and woken by the next statement, or
+    // runs after this commit and counts these attempts as ended. The
+    // lease's expiry is compared last, on the clock after both locks.
+    let locked = rows(
+        c,
+        "SELECT id, queue, state, budget_used, max_attempts, lease_token, dedup_key, \
+             pg_advisory_xact_lock_shared($2, hashtext(queue)), \
+             COALESCE(lease_expires_at > clock_timestamp(), false) \
+         FROM (SELECT id, queue, state, budget_used, max_attempts, lease_token, dedup_key, \
+                   lease_expires_at \
+               FROM jobs WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE) j",
+        &[&ids, &QUEUE_LOCK],
+    )
+    .await?;
+    struct Locked {
+        queue: String,
+        state: JobState,
+        budget_used: i32,
+        max_attempts: i32,
+        token: Option<i64>,
+        dedup_key: Option<String>,
+        unexpired: bool,
+    }
+    let mut jobs = std::collections::HashMap::with_capacity(locked.len());
+    for r in &locked {
+        let id: String = r.try_get(0)?;
+        let state: String = r.try_get(2)?;
+        jobs.insert(
+            id,
+            Locked {
+                queue: r.try_get(1)?,
+                state: stored_state(&state),
+                budget_used: r.try_get(3)?,
+                max_attempts: r.try_get(4)?,
+                token: r.try_get(5)?,
+                dedup_key: r.try_get(6)?,
+                unexpired: r.try_get(8)?,
+            },
         );
-        close_attempt(c, lease, AttemptOutcome::Abandoned, Some(&error), now).await?;
-        return Ok(Err(StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
-        }));
     }
-    if !holds {
-        // Cancelled (or recovered) meanwhile: record how the attempt ended,
-        // leave the job alone.
-        let outcome = if job.state == JobState::Cancelled {
-            AttemptOutcome::Cancelled
-        } else {
-            outcome
+    // Attempts to close.
+    let mut a_job: Vec<&str> = Vec::new();
+    let mut a_token: Vec<i64> = Vec::new();
+    let mut a_outcome: Vec<&str> = Vec::new();
+    let mut a_error: Vec<Option<String>> = Vec::new();
+    let mut a_at: Vec<i64> = Vec::new();
+    // Jobs to move; a NULL leaves the column as it is.
+    let mut j_id: Vec<&str> = Vec::new();
+    let mut j_state: Vec<&str> = Vec::new();
+    let mut j_finished: Vec<Option<i64>> = Vec::new();
+    let mut j_result: Vec<Option<&str>> = Vec::new();
+    let mut j_error: Vec<Option<String>> = Vec::new();
+    let mut j_run_at: Vec<Option<i64>> = Vec::new();
+    let mut j_refund: Vec<bool> = Vec::new();
+    // Dedup keys to release (jobs that ended and had one).
+    let mut d_queue: Vec<&str> = Vec::new();
+    let mut d_key: Vec<&str> = Vec::new();
+    let mut d_job: Vec<&str> = Vec::new();
+    let mut d_at: Vec<i64> = Vec::new();
+    // Queues whose concurrency waiters to wake, and queues with a job back
+    // to waiting.
+    let mut wake: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+    let mut ready: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+    let mut answers = Vec::with_capacity(group.len());
+    for r in group {
+        let (lease, now) = (&r.lease, r.now);
+        let Some(job) = jobs.get(&lease.job_id) else {
+            answers.push(Err(StoreError::NotFound(lease.job_id.clone())));
+            continue;
         };
-        close_attempt(c, lease, outcome, error, now).await?;
-        return Ok(Err(StoreError::Fenced {
+        let fenced = || StoreError::Fenced {
             job_id: lease.job_id.clone(),
             token: lease.token,
+        };
+        let (outcome, error) = match &r.finish {
+            Finish::Completed { .. } => (AttemptOutcome::Completed, None),
+            Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
+                (*outcome, Some(error.as_str()))
+            }
+            Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
+        };
+        let mine = job.state == JobState::Active && job.token == Some(i64_of(lease.token));
+        a_job.push(&lease.job_id);
+        a_token.push(i64_of(lease.token));
+        a_at.push(now.0);
+        if mine && !job.unexpired {
+            // The lease expired before the attempt ended: what the attempt
+            // did does not count, and the job is reclaimed like any expired
+            // lease.
+            a_outcome.push(AttemptOutcome::Abandoned.as_str());
+            a_error.push(Some(format!(
+                "{LEASE_EXPIRED}; the attempt ended as {} afterwards",
+                outcome.as_str()
+            )));
+            answers.push(Err(fenced()));
+            continue;
+        }
+        if !mine {
+            // Cancelled (or recovered) meanwhile: record how the attempt
+            // ended, leave the job alone.
+            let outcome = if job.state == JobState::Cancelled {
+                AttemptOutcome::Cancelled
+            } else {
+                outcome
+            };
+            a_outcome.push(outcome.as_str());
+            a_error.push(error.map(str::to_owned));
+            answers.push(Err(fenced()));
+            continue;
+        }
+        a_outcome.push(outcome.as_str());
+        a_error.push(error.map(str::to_owned));
+        wake.insert(&job.queue);
+        let (next, finished, result, error, run_at, refund) = match &r.finish {
+            Finish::Completed { result } => (
+                JobState::Completed,
+                Some(now.0),
+                Some(result.as_str()),
+                None,
+                None,
+                false,
+            ),
+            Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => (
+                JobState::Waiting,
+                None,
+                None,
+                Some(error.clone()),
+                Some(run_at.0),
+                false,
+            ),
+            Finish::Retry { error, .. } => (
+                JobState::Dead,
+                Some(now.0),
+                None,
+                Some(format!(
+                    "{error} (attempt budget of {} used up)",
+                    job.max_attempts
+                )),
+                None,
+                false,
+            ),
+            Finish::Fail { error, .. } => (
+                JobState::Dead,
+                Some(now.0),
+                None,
+                Some(error.clone()),
+                None,
+                false,
+            ),
+            Finish::Interrupted { error } => (
+                JobState::Waiting,
+                None,
+                None,
+                Some(error.clone()),
+                Some(now.0),
+                true,
+            ),
+        };
+        j_id.push(&lease.job_id);
+        j_state.push(next.as_str());
+        j_finished.push(finished);
+        j_result.push(result);
+        j_error.push(error);
+        j_run_at.push(run_at);
+        j_refund.push(refund);
+        if next == JobState::Waiting {
+            ready.insert(&job.queue);
+        } else if let Some(key) = &job.dedup_key {
+            d_queue.push(&job.queue);
+            d_key.push(key);
+            d_job.push(&lease.job_id);
+            d_at.push(now.0);
+        }
+        answers.push(Ok(match run_at {
+            Some(t) => visible_state(next, Millis(t), now),
+            None => next,
         }));
     }
-    close_attempt(c, lease, outcome, error, now).await?;
-    wake_waiters(c, &job.queue).await?;
-    let next = match finish {
-        Finish::Completed { result } => {
-            end_job(c, &job.id, JobState::Completed, Some(result), None, now).await?;
-            JobState::Completed
-        }
-        Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => {
-            exec(
-                c,
-                "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL \
-                 WHERE id = $1",
-                &[&job.id, &run_at.0, error],
-            )
-            .await?;
-            notify(c, &job.queue).await?;
-            visible_state(JobState::Waiting, *run_at, now)
-        }
-        Finish::Retry { error, .. } => {
-            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
-            end_job(c, &job.id, JobState::Dead, None, Some(&error), now).await?;
-            JobState::Dead
-        }
-        Finish::Fail { error, .. } => {
-            end_job(c, &job.id, JobState::Dead, None, Some(error), now).await?;
-            JobState::Dead
-        }
-        Finish::Interrupted { error } => {
-            exec(
-                c,
-                "UPDATE jobs SET state = 'waiting', run_at = $2, last_error = $3, lease_token = NULL, \
-                 budget_used = GREATEST(budget_used - 1, 0) WHERE id = $1",
-                &[&job.id, &now.0, error],
-            )
-            .await?;
-            notify(c, &job.queue).await?;
-            JobState::Waiting
-        }
-    };
-    Ok(Ok(next))
+    if a_job.is_empty() {
+        return Ok(answers);
+    }
+    let wake: Vec<&str> = wake.into_iter().collect();
+    let ready: Vec<&str> = ready.into_iter().collect();
+    // The data-modifying CTEs all run, each on its own table; the jobs'
+    // UPDATE fires the count trigger once for the group.
+    rows(
+        c,
+        "WITH a AS ( \
+             UPDATE attempts t SET ended_at = v.at, outcome = v.outcome, error = v.error \
+             FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::bigint[]) \
+                 AS v(job_id, token, outcome, error, at) \
+             WHERE t.job_id = v.job_id AND t.token = v.token AND t.ended_at IS NULL), \
+         j AS ( \
+             UPDATE jobs t SET state = v.state, finished_at = COALESCE(v.finished_at, t.finished_at), \
+                 result = COALESCE(v.result, t.result), last_error = COALESCE(v.error, t.last_error), \
+                 run_at = COALESCE(v.run_at, t.run_at), lease_token = NULL, \
+                 budget_used = CASE WHEN v.refund THEN GREATEST(t.budget_used - 1, 0) \
+                     ELSE t.budget_used END \
+             FROM unnest($6::text[], $7::text[], $8::bigint[], $9::text[], $10::text[], \
+                     $11::bigint[], $12::bool[]) \
+                 AS v(id, state, finished_at, result, error, run_at, refund) \
+             WHERE t.id = v.id), \
+         d AS ( \
+             DELETE FROM dedup t \
+             USING unnest($13::text[], $14::text[], $15::text[], $16::bigint[]) AS v(queue, key, job_id, at) \
+             WHERE t.queue = v.queue AND t.key = v.key AND t.job_id = v.job_id \
+                 AND (t.hold_until IS NULL OR t.hold_until <= v.at)), \
+         w AS (DELETE FROM queue_waits WHERE queue = ANY($17::text[]) RETURNING queue) \
+         SELECT pg_notify($19, q) FROM (SELECT unnest($18::text[]) UNION SELECT queue FROM w) AS n(q)",
+        &[
+            &a_job, &a_token, &a_outcome, &a_error, &a_at, &j_id, &j_state, &j_finished,
+            &j_result, &j_error, &j_run_at, &j_refund, &d_queue, &d_key, &d_job, &d_at, &wake,
+            &ready, &WAKE_CHANNEL,
+        ],
+    )
+    .await?;
+    Ok(answers)
 }
 
 const ABANDONED: &str = "abandoned: the daemon stopped during this attempt";
 const LEASE_EXPIRED: &str =
     "abandoned: its lease expired (the daemon holding it stopped renewing it)";
-
-/// Whether the lease on job `id` has not expired on the database's clock.
-async fn lease_unexpired<C: GenericClient>(c: &C, id: &str) -> Result<bool, Fail> {
-    let r = row_opt(
-        c,
-        "SELECT lease_expires_at > clock_timestamp() FROM jobs WHERE id = $1",
-        &[&id],
-    )
-    .await?;
-    Ok(match r {
-        Some(r) => r.try_get::<_, Option<bool>>(0)?.unwrap_or(false),
-        None => false,
-    })
-}
 
 /// Tells every listening daemon that `queue` may have a ready job; sent
 /// when the step's transaction commits (once per queue and transaction).
@@ -2206,14 +2616,12 @@ async fn listen(cfg: tokio_postgres::Config, tx: tokio::sync::mpsc::UnboundedSen
 impl Store for PostgresStore {
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
         step!(self, Mode::Write, |tx| {
-            let mut out = Vec::with_capacity(jobs.len());
+            let out = enqueue_batch(&tx, &jobs, now).await?;
             let mut queues = std::collections::BTreeSet::new();
-            for (i, j) in jobs.iter().enumerate() {
-                let e = enqueue_one(&tx, j, i, now).await?;
+            for (j, e) in jobs.iter().zip(&out) {
                 if !e.deduplicated {
                     queues.insert(j.queue.as_str());
                 }
-                out.push(e);
             }
             for q in queues {
                 notify(&tx, q).await?;
@@ -2288,24 +2696,38 @@ impl Store for PostgresStore {
         })
     }
 
+    /// Grouped with the finishes of other attempts by the finisher (see
+    /// the module's notes). Durable when it returns `Ok` or `Fenced`: the
+    /// COMMIT of the transaction holding it returned. `Unavailable`: it
+    /// may or may not have committed.
     async fn finish(
         &self,
         lease: &LeaseRef,
         finish: Finish,
         now: Millis,
     ) -> Result<JobState, StoreError> {
-        // A fenced finish still records how its attempt ended: commit that
-        // part, then report the fence.
-        let r: Result<Result<JobState, StoreError>, StoreError> =
-            step!(self, Mode::Write, |tx| finish_step(
-                &tx, lease, &finish, now
-            )
-            .await);
+        // A fenced finish still records how its attempt ended: that part
+        // commits, then the fence is reported.
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let req = FinishReq {
+            lease: lease.clone(),
+            finish,
+            now,
+            answer,
+        };
+        let r = match self.finishes.send(req) {
+            Ok(()) => answered.await.unwrap_or_else(|_| {
+                Err(unavailable(
+                    "the PostgreSQL finisher stopped before answering",
+                ))
+            }),
+            Err(_) => Err(unavailable("the PostgreSQL finisher has stopped")),
+        };
         // Its attempt is over, whatever the answer: the lease is renewed no
         // more (if the finish did not commit, the lease expires and another
         // pass reclaims the job).
         self.release(lease);
-        r?
+        r
     }
 
     /// Expired leases, and this store's own: jobs leased by other live
@@ -3377,7 +3799,7 @@ mod tests {
 
     use super::testing::TestDatabase;
     use super::{PostgresStore, SCHEMA_VERSION, migrate};
-    use crate::job::{Finish, Millis, NewJob};
+    use crate::job::{AttemptOutcome, Finish, JobState, Millis, NewJob};
     use crate::store::{Store, StoreError};
 
     async fn open_fresh() -> (TestDatabase, Arc<dyn Store>) {
@@ -3731,6 +4153,359 @@ mod tests {
         }
         let counts = s.counts(t0).await.unwrap();
         assert_eq!(counts[0].1.waiting, 10);
+    }
+
+    /// Sends `reqs` to the finisher as one group and returns each answer.
+    async fn finish_as_one_group(
+        store: &PostgresStore,
+        reqs: Vec<(crate::job::LeaseRef, Finish, Millis)>,
+    ) -> Vec<Result<JobState, StoreError>> {
+        let mut group = Vec::new();
+        let mut answers = Vec::new();
+        for (lease, finish, now) in reqs {
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            group.push(super::FinishReq {
+                lease,
+                finish,
+                now,
+                answer,
+            });
+            answers.push(answered);
+        }
+        super::finish_group(&store.pool, &store.target, group).await;
+        let mut out = Vec::new();
+        for a in answers {
+            out.push(a.await.expect("every finish of the group is answered"));
+        }
+        out
+    }
+
+    /// The transactions that last wrote the rows of `table` named by `ids`
+    /// (`job_id` for attempts), one per row.
+    async fn writers(db: &TestDatabase, table: &str, ids: &[&str]) -> Vec<String> {
+        let cfg = super::parse_url(&db.url).unwrap();
+        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        let task = tokio::spawn(conn);
+        let column = if table == "jobs" { "id" } else { "job_id" };
+        let ids: Vec<String> = ids.iter().map(|s| (*s).to_owned()).collect();
+        let rows = client
+            .query(
+                &format!("SELECT xmin::text FROM {table} WHERE {column} = ANY($1::text[])"),
+                &[&ids],
+            )
+            .await
+            .unwrap();
+        drop(client);
+        let _ = task.await;
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
+    /// One group of finishes, one transaction: every kind of end commits
+    /// with its own rules (completed, retried with its backoff, dead with
+    /// its dedup key released, interrupted without counting), a cancelled
+    /// job's finish is `Fenced` with its attempt closed as cancelled, an
+    /// expired lease's finish is `Fenced` with its attempt abandoned, a
+    /// job that does not exist is `NotFound`, and none of these undoes the
+    /// others.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_of_finishes_commits_each_by_its_own_rules() {
+        let db = TestDatabase::create().await;
+        let s = PostgresStore::open(&db.url, 4).await.expect("open");
+        let t0 = Millis(1_700_000_000_000);
+        let names = ["done", "again", "dead", "stop", "gone", "late"];
+        let mut jobs: Vec<NewJob> = names.iter().map(|n| new_job(n, t0, 3)).collect();
+        jobs[2].dedup_key = Some("k".into());
+        jobs[2].max_attempts = 1;
+        s.enqueue(jobs, t0).await.unwrap();
+        let leases = s.lease("q", 10, "v1", t0).await.unwrap();
+        assert_eq!(leases.len(), 6);
+        let lease = |id: &str| leases.iter().find(|l| l.job_id == id).unwrap().fence();
+        s.cancel("gone", t0).await.unwrap();
+        // Only `late`'s lease has run out.
+        let (client, conn) = super::parse_url(&db.url)
+            .unwrap()
+            .connect(tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        let task = tokio::spawn(conn);
+        client
+            .execute(
+                "UPDATE jobs SET lease_expires_at = clock_timestamp() - interval '1 second' \
+                 WHERE id = 'late'",
+                &[],
+            )
+            .await
+            .unwrap();
+        drop(client);
+        let _ = task.await;
+        let t1 = Millis(t0.0 + 5);
+        let retry_at = Millis(t0.0 + 60_000);
+        let answers = finish_as_one_group(
+            &s,
+            vec![
+                (lease("done"), Finish::Completed { result: "r".into() }, t1),
+                (
+                    lease("again"),
+                    Finish::Retry {
+                        outcome: AttemptOutcome::Error,
+                        error: "later".into(),
+                        run_at: retry_at,
+                    },
+                    t1,
+                ),
+                (
+                    lease("dead"),
+                    Finish::Retry {
+                        outcome: AttemptOutcome::Error,
+                        error: "no".into(),
+                        run_at: retry_at,
+                    },
+                    t1,
+                ),
+                (
+                    lease("stop"),
+                    Finish::Interrupted {
+                        error: "shutdown".into(),
+                    },
+                    t1,
+                ),
+                (lease("gone"), Finish::Completed { result: "r".into() }, t1),
+                (lease("late"), Finish::Completed { result: "r".into() }, t1),
+                (
+                    crate::job::LeaseRef {
+                        job_id: "nowhere".into(),
+                        token: 1,
+                    },
+                    Finish::Completed { result: "r".into() },
+                    t1,
+                ),
+            ],
+        )
+        .await;
+        assert_eq!(answers[0].as_ref().ok(), Some(&JobState::Completed));
+        assert_eq!(answers[1].as_ref().ok(), Some(&JobState::Delayed));
+        assert_eq!(answers[2].as_ref().ok(), Some(&JobState::Dead));
+        assert_eq!(answers[3].as_ref().ok(), Some(&JobState::Waiting));
+        assert!(
+            matches!(answers[4], Err(StoreError::Fenced { .. })),
+            "{:?}",
+            answers[4]
+        );
+        assert!(
+            matches!(answers[5], Err(StoreError::Fenced { .. })),
+            "{:?}",
+            answers[5]
+        );
+        assert!(
+            matches!(&answers[6], Err(StoreError::NotFound(id)) if id == "nowhere"),
+            "{:?}",
+            answers[6]
+        );
+
+        let job = |id: &'static str| {
+            let s = &s;
+            async move { s.job(id, t1).await.unwrap().unwrap() }
+        };
+        let done = job("done").await;
+        assert_eq!(
+            (done.state, done.result.as_deref()),
+            (JobState::Completed, Some("r"))
+        );
+        assert_eq!(done.attempts[0].outcome, AttemptOutcome::Completed);
+        let again = job("again").await;
+        assert_eq!(
+            (again.state, again.run_at, again.last_error.as_deref()),
+            (JobState::Delayed, retry_at, Some("later"))
+        );
+        let dead = job("dead").await;
+        assert_eq!(dead.state, JobState::Dead);
+        assert_eq!(
+            dead.last_error.as_deref(),
+            Some("no (attempt budget of 1 used up)")
+        );
+        let stop = job("stop").await;
+        assert_eq!(
+            (stop.state, stop.budget_used, stop.attempts[0].outcome),
+            (JobState::Waiting, 0, AttemptOutcome::Interrupted)
+        );
+        let gone = job("gone").await;
+        assert_eq!(
+            (gone.state, gone.attempts[0].outcome),
+            (JobState::Cancelled, AttemptOutcome::Cancelled)
+        );
+        let late = job("late").await;
+        assert_eq!(late.state, JobState::Active, "left for a reclaim");
+        assert_eq!(late.attempts[0].outcome, AttemptOutcome::Abandoned);
+        // The dead job's dedup key was released with it.
+        let mut again_k = new_job("k2", t1, 3);
+        again_k.dedup_key = Some("k".into());
+        let e = s.enqueue(vec![again_k], t1).await.unwrap();
+        assert!(!e[0].deduplicated, "{e:?}");
+
+        // Every write of the group is one transaction's.
+        let moved = ["done", "again", "dead", "stop"];
+        let mut xids = writers(&db, "jobs", &moved).await;
+        xids.extend(
+            writers(
+                &db,
+                "attempts",
+                &["done", "again", "dead", "stop", "gone", "late"],
+            )
+            .await,
+        );
+        xids.sort();
+        xids.dedup();
+        assert_eq!(xids.len(), 1, "one transaction wrote the group: {xids:?}");
+    }
+
+    /// A finish that the server refuses (here an error text holding NUL,
+    /// which PostgreSQL text cannot store) fails alone: the group is
+    /// applied again one finish at a time, and the others commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_finish_fails_alone() {
+        let db = TestDatabase::create().await;
+        let s = PostgresStore::open(&db.url, 4).await.expect("open");
+        let t0 = Millis(1_700_000_000_000);
+        s.enqueue(
+            vec![
+                new_job("a", t0, 3),
+                new_job("b", t0, 3),
+                new_job("c", t0, 3),
+            ],
+            t0,
+        )
+        .await
+        .unwrap();
+        let leases = s.lease("q", 3, "v1", t0).await.unwrap();
+        let reqs = leases
+            .iter()
+            .map(|l| {
+                let finish = if l.job_id == "b" {
+                    Finish::Fail {
+                        outcome: AttemptOutcome::Error,
+                        error: "nul \0 here".into(),
+                    }
+                } else {
+                    Finish::Completed { result: "r".into() }
+                };
+                (l.fence(), finish, t0)
+            })
+            .collect();
+        let answers = finish_as_one_group(&s, reqs).await;
+        for (l, a) in leases.iter().zip(&answers) {
+            if l.job_id == "b" {
+                assert!(matches!(a, Err(StoreError::Unavailable(_))), "{a:?}");
+            } else {
+                assert_eq!(a.as_ref().ok(), Some(&JobState::Completed), "{}", l.job_id);
+            }
+        }
+        for (id, state) in [
+            ("a", JobState::Completed),
+            ("b", JobState::Active),
+            ("c", JobState::Completed),
+        ] {
+            assert_eq!(s.job(id, t0).await.unwrap().unwrap().state, state, "{id}");
+        }
+    }
+
+    /// Concurrent finishes through the trait: each caller gets its own
+    /// answer (the cancelled jobs' finishes `Fenced`, the others
+    /// `Completed`), whichever groups they shared.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_finishes_each_get_their_answer() {
+        let (_db, s) = open_fresh().await;
+        let t0 = Millis(1_700_000_000_000);
+        let jobs: Vec<NewJob> = (0..300).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
+        s.enqueue(jobs, t0).await.unwrap();
+        let leases = s.lease("q", 300, "v1", t0).await.unwrap();
+        assert_eq!(leases.len(), 300);
+        for i in (0..300).step_by(7) {
+            s.cancel(&format!("j{i}"), t0).await.unwrap();
+        }
+        let finishing: Vec<_> = leases
+            .into_iter()
+            .map(|l| {
+                let s = Arc::clone(&s);
+                tokio::spawn(async move {
+                    let r = s
+                        .finish(&l.fence(), Finish::Completed { result: "1".into() }, t0)
+                        .await;
+                    (l.job_id, r)
+                })
+            })
+            .collect();
+        for f in finishing {
+            let (id, r) = f.await.unwrap();
+            let n: usize = id[1..].parse().unwrap();
+            if n.is_multiple_of(7) {
+                assert!(matches!(r, Err(StoreError::Fenced { .. })), "{id}: {r:?}");
+            } else {
+                assert_eq!(r.ok(), Some(JobState::Completed), "{id}");
+            }
+        }
+        let counts = s.counts(t0).await.unwrap();
+        let q = &counts.iter().find(|(q, _)| q == "q").unwrap().1;
+        assert_eq!((q.completed, q.cancelled, q.active), (257, 43, 0), "{q:?}");
+    }
+
+    /// Batches with overlapping ids enqueued at once through two stores (two
+    /// daemons) on one database: one job per id, the other batch's answer
+    /// for it deduplicated to that job; a batch naming an existing id with
+    /// another payload is refused whole (`IdReused`, with its index).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn overlapping_batches_on_two_daemons_create_each_job_once() {
+        let db = TestDatabase::create().await;
+        let a: Arc<dyn Store> = Arc::new(PostgresStore::open(&db.url, 4).await.expect("open"));
+        let b: Arc<dyn Store> = Arc::new(PostgresStore::open(&db.url, 4).await.expect("open"));
+        let t0 = Millis(1_700_000_000_000);
+        for round in 0..5 {
+            let ids = |r: std::ops::Range<usize>| -> Vec<NewJob> {
+                r.map(|i| new_job(&format!("r{round}-{i}"), t0, 3))
+                    .collect()
+            };
+            let forward = ids(0..100);
+            let mut backward = ids(50..150);
+            backward.reverse();
+            let (x, y) = tokio::join!(
+                {
+                    let a = Arc::clone(&a);
+                    async move { a.enqueue(forward, t0).await }
+                },
+                {
+                    let b = Arc::clone(&b);
+                    async move { b.enqueue(backward, t0).await }
+                }
+            );
+            let (x, y) = (x.unwrap(), y.unwrap());
+            let mut created: Vec<&str> = x
+                .iter()
+                .chain(&y)
+                .filter(|e| !e.deduplicated)
+                .map(|e| e.job.id.as_str())
+                .collect();
+            created.sort_unstable();
+            created.dedup();
+            assert_eq!(
+                created.len(),
+                x.iter().chain(&y).filter(|e| !e.deduplicated).count(),
+                "round {round}: an id created twice"
+            );
+            assert_eq!(created.len(), 150, "round {round}");
+            for e in x.iter().chain(&y) {
+                assert_eq!(e.job.state, JobState::Waiting, "{e:?}");
+            }
+        }
+        let counts = a.counts(t0).await.unwrap();
+        assert_eq!(counts[0].1.waiting, 750);
+
+        let mut clash = vec![new_job("fresh", t0, 3), new_job("r0-7", t0, 3)];
+        clash[1].payload = r#"{"other":1}"#.into();
+        let err = b.enqueue(clash, t0).await.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::IdReused { id, index: 1 } if id == "r0-7"),
+            "{err:?}"
+        );
+        assert!(a.job("fresh", t0).await.unwrap().is_none(), "all or none");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
