@@ -155,13 +155,17 @@
 //!   across daemons: under a per-queue transaction advisory lock it counts
 //!   the queue's unexpired leases and its starts in the window
 //!   (`queue_starts`, at the database's time `attempts.leased_at`) and
-//!   leases at most what is left. A lease held back by `concurrency` records
-//!   a wait in `queue_waits`; the next finish, cancel or reclaim of the
-//!   queue consumes it and `NOTIFY`s. A finish or cancel takes the queue's
-//!   advisory lock shared before it looks for that wait, so that a wait is
-//!   never recorded unseen between the two (the lease then waits for the
-//!   finish's commit and counts its attempt as ended). [`Store::lease`]
-//!   takes no lock.
+//!   leases at most what is left. This daemon's attempts whose finish is
+//!   on its way (their handlers ended) do not count in its own leases,
+//!   unless another daemon waits for room; other daemons count them until
+//!   the finish commits. A lease held back
+//!   by `concurrency` records a wait in `queue_waits`, commits, and counts
+//!   again; after each finish group or cancel commits, one statement of its
+//!   own consumes the waits of the queues whose attempts ended and
+//!   `NOTIFY`s. Either that statement sees the wait, or the second count
+//!   sees the end (see `wake_waiting`), so no wake-up is lost, and an
+//!   attempt's end never waits for the queue's lock. [`Store::lease`] takes
+//!   no lock.
 //! - A step never idles inside its transaction, unless its daemon is paused:
 //!   the pool's sessions run with `idle_in_transaction_session_timeout` set
 //!   to the lease, so the server ends a paused daemon's open transaction
@@ -408,6 +412,9 @@ const QUEUE_LOCK: i32 = 0x6b68_716c; // "khql"
 const MAX_RERUNS: u32 = 20;
 /// The lease of a store opened without [`PostgresStore::with_lease`].
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Limited leases of one call at most: the first, and those run again
+/// because a count after its wait's commit found room (`lease_within`).
+const RECOUNTS: u32 = 4;
 /// Expired leases reclaimed in one pass at most.
 const RECLAIM_BATCH: u32 = 500;
 /// The channel of wake-ups; the payload is a queue's name.
@@ -452,6 +459,11 @@ pub struct PostgresStore {
     /// statement that last set its expiry, which the database computed
     /// before that answer.
     held: std::sync::Mutex<std::collections::HashMap<LeaseRef, std::time::Instant>>,
+    /// The fencing tokens of this store's attempts whose finish is on its
+    /// way (sent to the finisher, not yet answered). Their handlers have
+    /// ended, so a limited lease does not count them as in flight, though
+    /// their jobs stay `active` until the finish commits.
+    ending: std::sync::Mutex<std::collections::HashSet<i64>>,
     /// The wake-up listener, stopped with the store.
     listener: std::sync::Mutex<Option<AbortOnDrop>>,
     /// The finisher's queue ([`finisher`]); it stops once this is dropped
@@ -783,6 +795,7 @@ impl PostgresStore {
             daemon_id: uuid::Uuid::now_v7().to_string(),
             lease_ms,
             held: std::sync::Mutex::new(std::collections::HashMap::new()),
+            ending: std::sync::Mutex::new(std::collections::HashSet::new()),
             listener: std::sync::Mutex::new(None),
         };
         store.register().await?;
@@ -807,6 +820,14 @@ impl PostgresStore {
         if let Ok(mut held) = self.held.lock() {
             held.extend(leases.iter().map(|l| (l.fence(), expired_by)));
         }
+    }
+
+    /// The tokens of this store's attempts whose finish is on its way.
+    fn ending(&self) -> Vec<i64> {
+        self.ending
+            .lock()
+            .map(|e| e.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     fn release(&self, lease: &LeaseRef) {
@@ -1426,13 +1447,22 @@ async fn lease_batch<C: GenericClient>(
 ///
 /// It first takes the queue's transaction advisory lock, held to its
 /// commit: the limited leases of one queue run one at a time, on every
-/// daemon, so what this one counts (the queue's unexpired leases, its
+/// daemon, so what this one counts (the queue's attempts in flight, its
 /// starts in the window) cannot change before it commits its own leases,
 /// except downwards (an attempt ends, a lease expires). Its statements
 /// after the lock see every lease committed before the lock was granted
 /// (READ COMMITTED: a snapshot per statement). Times are the database's:
 /// `t`, read once under the lock, is the start of every attempt leased
 /// here, and later than every start already recorded.
+///
+/// In flight: an unexpired lease, except the attempts in `ending` (this
+/// daemon's, whose handlers have ended and whose finishes are on their
+/// way). Other daemons' ending attempts count until their finishes commit:
+/// the bound is never looser than the handlers running. While a daemon
+/// waits for room (a row in `queue_waits`), `ending` counts too: the
+/// daemon whose attempts end would otherwise take their room again before
+/// their commit wakes the waiting ones, and keep the queue to itself.
+#[allow(clippy::too_many_arguments)]
 async fn lease_limited<C: GenericClient>(
     c: &C,
     queue: &str,
@@ -1441,6 +1471,7 @@ async fn lease_limited<C: GenericClient>(
     now: Millis,
     owner: (&str, i64),
     limits: &LeaseLimits,
+    ending: &[i64],
 ) -> Result<Leased, Fail> {
     exec(
         c,
@@ -1456,11 +1487,12 @@ async fn lease_limited<C: GenericClient>(
         "WITH t AS (SELECT clock_timestamp() AS t) \
          SELECT t.t, \
              CASE WHEN $2 THEN (SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'active' \
-                 AND lease_expires_at > t.t) ELSE 0 END, \
+                 AND lease_expires_at > t.t AND (lease_token <> ALL($4::bigint[]) \
+                     OR EXISTS (SELECT 1 FROM queue_waits WHERE queue = $1))) ELSE 0 END, \
              CASE WHEN $3::bigint > 0 THEN (SELECT COUNT(*) FROM queue_starts WHERE queue = $1 \
                  AND at > t.t - $3::bigint * interval '1 millisecond') ELSE 0 END \
          FROM t",
-        &[&queue, &limits.concurrency.is_some(), &per_ms],
+        &[&queue, &limits.concurrency.is_some(), &per_ms, &ending],
     )
     .await?;
     let r = r.first().ok_or_else(|| unavailable("no row"))?;
@@ -1533,28 +1565,28 @@ async fn lease_limited<C: GenericClient>(
     Ok(Leased { leases, held })
 }
 
-/// Wakes the daemons waiting for room in `queue`'s concurrency, once per
-/// wait: an attempt of the queue ended or gave its job back.
-async fn wake_waiters<C: GenericClient>(c: &C, queue: &str) -> Result<(), Fail> {
-    // Shared with the other ends of attempts, exclusive with a limited
-    // lease of the queue: a wait that lease records is either committed
-    // and seen below, or taken after this step's commit, when its count no
-    // longer holds this attempt (see `finish_statements`).
-    exec(
-        c,
-        "SELECT pg_advisory_xact_lock_shared($1, hashtext($2))",
-        &[&QUEUE_LOCK, &queue],
-    )
-    .await?;
-    let waited = rows(
-        c,
-        "DELETE FROM queue_waits WHERE queue = $1 RETURNING queue",
-        &[&queue],
-    )
-    .await?;
-    if !waited.is_empty() {
-        notify(c, queue).await?;
+/// Wakes the daemons waiting for room in `queues`' concurrency, once per
+/// wait: attempts of theirs ended. Run after, never inside, the transaction
+/// that ended them, in a statement of its own (no write, hence no flush,
+/// unless a daemon waits).
+///
+/// No wake-up is lost, and an attempt's end never waits for a limited
+/// lease's lock: a lease held back records its wait, commits, and only then
+/// counts again (`lease_within`). Either this statement ran after that
+/// wait's commit, and sees it, or it ran before, hence after the attempts'
+/// end committed, and that second count no longer holds them.
+async fn wake_waiting(pool: &Pool, target: &str, queues: &[String]) -> Result<(), StoreError> {
+    if queues.is_empty() {
+        return Ok(());
     }
+    let client = pool_client(pool, target).await?;
+    client
+        .query(
+            "WITH w AS (DELETE FROM queue_waits WHERE queue = ANY($1::text[]) RETURNING queue) \
+             SELECT pg_notify($2, queue) FROM w",
+            &[&queues, &WAKE_CHANNEL],
+        )
+        .await?;
     Ok(())
 }
 
@@ -1632,8 +1664,10 @@ async fn finisher(
 /// the COMMIT may or may not have happened).
 async fn finish_group(pool: &Pool, target: &str, group: Vec<FinishReq>) {
     let outcome = finish_tx(pool, target, &group).await;
+    let mut wake = std::collections::BTreeSet::new();
     match outcome {
-        Ok(answers) => {
+        Ok((answers, queues)) => {
+            wake.extend(queues);
             for (r, a) in group.into_iter().zip(answers) {
                 let _ = r.answer.send(a);
             }
@@ -1641,7 +1675,10 @@ async fn finish_group(pool: &Pool, target: &str, group: Vec<FinishReq>) {
         Err((_, true)) if group.len() > 1 => {
             for r in group {
                 let a = match finish_tx(pool, target, std::slice::from_ref(&r)).await {
-                    Ok(mut a) => a.pop().unwrap_or_else(|| Err(unavailable("no answer"))),
+                    Ok((mut a, queues)) => {
+                        wake.extend(queues);
+                        a.pop().unwrap_or_else(|| Err(unavailable("no answer")))
+                    }
                     Err((e, _)) => Err(e),
                 };
                 let _ = r.answer.send(a);
@@ -1653,7 +1690,16 @@ async fn finish_group(pool: &Pool, target: &str, group: Vec<FinishReq>) {
             }
         }
     }
+    let wake: Vec<String> = wake.into_iter().collect();
+    if let Err(e) = wake_waiting(pool, target, &wake).await {
+        // The waiting daemons look again at their slow poll.
+        tracing::debug!(error = %e, "could not wake the daemons waiting for room");
+    }
 }
+
+/// The answer to each finish of a group, and the queues of the attempts
+/// that ended (whose waiters to wake once it committed).
+type Answers = (Vec<Result<JobState, StoreError>>, Vec<String>);
 
 /// One transaction applying `group` (distinct jobs), rerun when it lost a
 /// race. The error says whether the connection is still up, so that the
@@ -1662,7 +1708,7 @@ async fn finish_tx(
     pool: &Pool,
     target: &str,
     group: &[FinishReq],
-) -> Result<Vec<Result<JobState, StoreError>>, (StoreError, bool)> {
+) -> Result<Answers, (StoreError, bool)> {
     let mut reruns = 0u32;
     loop {
         let mut client = pool_client(pool, target).await.map_err(|e| (e, false))?;
@@ -1704,27 +1750,18 @@ async fn finish_tx(
 /// statement. Per finish, `Fenced` when its attempt no longer holds the job
 /// (its attempt record is closed all the same, and that part commits),
 /// `NotFound` when there is no such job (nothing written).
-async fn finish_statements<C: GenericClient>(
-    c: &C,
-    group: &[FinishReq],
-) -> Result<Vec<Result<JobState, StoreError>>, Fail> {
+async fn finish_statements<C: GenericClient>(c: &C, group: &[FinishReq]) -> Result<Answers, Fail> {
     let mut ids: Vec<&str> = group.iter().map(|r| r.lease.job_id.as_str()).collect();
     ids.sort_unstable();
-    // After each job's row lock, its queue's advisory lock is taken shared
-    // (column 7, void): a limited lease of the queue (which holds it
-    // exclusively to its commit) then either committed before, so that its
-    // wait in `queue_waits` is seen and woken by the next statement, or
-    // runs after this commit and counts these attempts as ended. The
-    // lease's expiry is compared last, on the clock after both locks.
+    // The lease's expiry is compared on the clock after the row's lock.
     let locked = rows(
         c,
         "SELECT id, queue, state, budget_used, max_attempts, lease_token, dedup_key, \
-             pg_advisory_xact_lock_shared($2, hashtext(queue)), \
              COALESCE(lease_expires_at > clock_timestamp(), false) \
          FROM (SELECT id, queue, state, budget_used, max_attempts, lease_token, dedup_key, \
                    lease_expires_at \
                FROM jobs WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE) j",
-        &[&ids, &QUEUE_LOCK],
+        &[&ids],
     )
     .await?;
     struct Locked {
@@ -1749,7 +1786,7 @@ async fn finish_statements<C: GenericClient>(
                 max_attempts: r.try_get(4)?,
                 token: r.try_get(5)?,
                 dedup_key: r.try_get(6)?,
-                unexpired: r.try_get(8)?,
+                unexpired: r.try_get(7)?,
             },
         );
     }
@@ -1892,9 +1929,9 @@ async fn finish_statements<C: GenericClient>(
         }));
     }
     if a_job.is_empty() {
-        return Ok(answers);
+        return Ok((answers, Vec::new()));
     }
-    let wake: Vec<&str> = wake.into_iter().collect();
+    let wake: Vec<String> = wake.into_iter().map(str::to_owned).collect();
     let ready: Vec<&str> = ready.into_iter().collect();
     // The data-modifying CTEs all run, each on its own table; the jobs'
     // UPDATE fires the count trigger once for the group.
@@ -1919,17 +1956,16 @@ async fn finish_statements<C: GenericClient>(
              DELETE FROM dedup t \
              USING unnest($13::text[], $14::text[], $15::text[], $16::bigint[]) AS v(queue, key, job_id, at) \
              WHERE t.queue = v.queue AND t.key = v.key AND t.job_id = v.job_id \
-                 AND (t.hold_until IS NULL OR t.hold_until <= v.at)), \
-         w AS (DELETE FROM queue_waits WHERE queue = ANY($17::text[]) RETURNING queue) \
-         SELECT pg_notify($19, q) FROM (SELECT unnest($18::text[]) UNION SELECT queue FROM w) AS n(q)",
+                 AND (t.hold_until IS NULL OR t.hold_until <= v.at)) \
+         SELECT pg_notify($18, q) FROM unnest($17::text[]) AS n(q)",
         &[
             &a_job, &a_token, &a_outcome, &a_error, &a_at, &j_id, &j_state, &j_finished,
-            &j_result, &j_error, &j_run_at, &j_refund, &d_queue, &d_key, &d_job, &d_at, &wake,
-            &ready, &WAKE_CHANNEL,
+            &j_result, &j_error, &j_run_at, &j_refund, &d_queue, &d_key, &d_job, &d_at, &ready,
+            &WAKE_CHANNEL,
         ],
     )
     .await?;
-    Ok(answers)
+    Ok((answers, wake))
 }
 
 const ABANDONED: &str = "abandoned: the daemon stopped during this attempt";
@@ -2020,9 +2056,6 @@ async fn cancel_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<(
     }
     let was_active = job.state == JobState::Active;
     end_job(c, id, JobState::Cancelled, None, None, now).await?;
-    if was_active {
-        wake_waiters(c, &job.queue).await?;
-    }
     let job = load_job(c, id, now)
         .await?
         .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
@@ -2667,18 +2700,53 @@ impl Store for PostgresStore {
             });
         }
         let owner = (self.daemon_id.as_str(), self.lease_ms());
-        let leased = step!(self, Mode::Write, |tx| lease_limited(
-            &tx,
-            queue,
-            max,
-            plugin_version,
-            now,
-            owner,
-            limits
-        )
-        .await)?;
-        self.hold(&leased.leases);
-        Ok(leased)
+        let mut tries = 0;
+        loop {
+            let ending = self.ending();
+            let leased = step!(self, Mode::Write, |tx| lease_limited(
+                &tx,
+                queue,
+                max,
+                plugin_version,
+                now,
+                owner,
+                limits,
+                &ending
+            )
+            .await)?;
+            self.hold(&leased.leases);
+            tries += 1;
+            // Held back by concurrency, with its wait committed: count again,
+            // so that an attempt that ended before the wait was visible to
+            // its waker (see `wake_waiting`) is not waited for.
+            if leased.held != Some(Held::Concurrency)
+                || !leased.leases.is_empty()
+                || tries >= RECOUNTS
+            {
+                return Ok(leased);
+            }
+            let Some(limit) = limits.concurrency else {
+                return Ok(leased);
+            };
+            let ending = self.ending();
+            let client = self.client().await?;
+            let r = row_opt(
+                &client,
+                "SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'active' \
+                 AND lease_expires_at > clock_timestamp() AND (lease_token <> ALL($2::bigint[]) \
+                     OR EXISTS (SELECT 1 FROM queue_waits WHERE queue = $1))",
+                &[&queue, &ending],
+            )
+            .await
+            .map_err(store_err)?;
+            let in_flight = match r {
+                Some(r) => u64_of(r.try_get(0)?),
+                None => 0,
+            };
+            if in_flight >= u64::from(limit) {
+                return Ok(leased);
+            }
+        }
     }
 
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
@@ -2709,6 +2777,10 @@ impl Store for PostgresStore {
         // A fenced finish still records how its attempt ended: that part
         // commits, then the fence is reported.
         let (answer, answered) = tokio::sync::oneshot::channel();
+        let token = i64_of(lease.token);
+        if let Ok(mut ending) = self.ending.lock() {
+            ending.insert(token);
+        }
         let req = FinishReq {
             lease: lease.clone(),
             finish,
@@ -2725,8 +2797,11 @@ impl Store for PostgresStore {
         };
         // Its attempt is over, whatever the answer: the lease is renewed no
         // more (if the finish did not commit, the lease expires and another
-        // pass reclaims the job).
+        // pass reclaims the job, counted in flight until then).
         self.release(lease);
+        if let Ok(mut ending) = self.ending.lock() {
+            ending.remove(&token);
+        }
         r
     }
 
@@ -2799,7 +2874,15 @@ impl Store for PostgresStore {
     }
 
     async fn cancel(&self, id: &str, now: Millis) -> Result<(Job, bool), StoreError> {
-        step!(self, Mode::Write, |tx| cancel_step(&tx, id, now).await)
+        let (job, was_active) = step!(self, Mode::Write, |tx| cancel_step(&tx, id, now).await)?;
+        if was_active
+            && let Err(e) =
+                wake_waiting(&self.pool, &self.target, std::slice::from_ref(&job.queue)).await
+        {
+            // The waiting daemons look again at their slow poll.
+            tracing::debug!(error = %e, queue = %job.queue, "could not wake the daemons waiting for room");
+        }
+        Ok((job, was_active))
     }
 
     async fn retry(&self, id: &str, now: Millis) -> Result<Job, StoreError> {
@@ -4014,6 +4097,70 @@ mod tests {
             Some(Held::Rate(wait)) => assert!(wait > std::time::Duration::ZERO && wait <= per),
             other => panic!("held back by the rate limit, not {other:?}"),
         }
+    }
+
+    /// An attempt whose finish is on its way (its handler ended) leaves
+    /// room in its own daemon's concurrency at once (unless another daemon
+    /// waits for room), and in the others' only once that finish commits; a
+    /// waiting daemon hears of it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_ending_attempt_leaves_room_in_its_own_daemon_first() {
+        use crate::store::{Held, LeaseLimits};
+        let db = TestDatabase::create().await;
+        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
+        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
+        let t0 = Millis(1_700_000_000_000);
+        let jobs = (0..4).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
+        a.enqueue(jobs, t0).await.unwrap();
+        let two = LeaseLimits {
+            concurrency: Some(2),
+            rate: None,
+        };
+        let first = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+        assert_eq!(first.leases.len(), 2);
+        // The first attempt's handler ended; its finish is not committed.
+        let ended = &first.leases[0];
+        a.ending.lock().unwrap().insert(super::i64_of(ended.token));
+        let own = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+        assert_eq!(
+            (own.leases.len(), own.held),
+            (1, Some(Held::Concurrency)),
+            "its own daemon does not count it"
+        );
+        let held = b.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+        assert_eq!(
+            (held.leases.len(), held.held),
+            (0, Some(Held::Concurrency)),
+            "another daemon counts it until its finish commits"
+        );
+        let fair = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+        assert_eq!(
+            (fair.leases.len(), fair.held),
+            (0, Some(Held::Concurrency)),
+            "while another daemon waits, its own daemon counts it too"
+        );
+        a.ending.lock().unwrap().clear();
+        let mut wake = b.wakeups().expect("postgres has wake-ups");
+        assert_eq!(wake.recv().await.as_deref(), Some("*"));
+        let done = Finish::Completed { result: "1".into() };
+        a.finish(&ended.fence(), done, t0).await.unwrap();
+        assert!(
+            a.ending().is_empty(),
+            "a finish answered is no longer ending"
+        );
+        assert_eq!(
+            wake.recv().await.as_deref(),
+            Some("q"),
+            "the waiting daemon is woken once the finish committed"
+        );
+        let c = PostgresStore::open(&db.url, 2).await.expect("open c");
+        let waits = c.client().await.unwrap();
+        let left = waits
+            .query_one("SELECT COUNT(*) FROM queue_waits", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0);
+        assert_eq!(left, 0, "the wait was consumed by its wake-up");
     }
 
     /// A lease that expires before its attempt ends, not yet reclaimed: the
