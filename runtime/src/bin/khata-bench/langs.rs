@@ -14,17 +14,11 @@
 //!   `welcome_email_py` over SMTP to the aiosmtpd sink, `charge_customer_js`
 //!   over HTTP to the payments server, as figure 7 runs them.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, ensure};
 
-use khata::config::{Grants, OnUncertain};
-use khata::effects::Scope;
-use khata::effects::http::Providers;
-use khata::host::{CodeSource, Host, Limits, PoolSize};
-use khata::store::Store;
-use khata::store::sqlite::SqliteStore;
+use khata::host::{CodeSource, Host, PoolSize};
 
 use super::{
     Bench, Daemon, InvocationBed, PaymentsServer, RUNS, Row, SmtpSink, Spread, WELCOME_QUEUE,
@@ -209,33 +203,7 @@ fn compile_times(bench: &Bench, guest: &str, bytes: &[u8]) -> anyhow::Result<(St
 
 /// Mean µs of one invocation of `guest` (an echo twin) in this process.
 async fn invocation_micros(bench: &Bench, guest: &str) -> anyhow::Result<f64> {
-    let host = host(None)?;
-    let plugin = host.load_file(guest, &bench.plugins.join(format!("{guest}.wasm")))?;
-    let dir = bench.fresh_dir("invocation")?;
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir)?);
-    let bed = InvocationBed {
-        host,
-        plugin,
-        store,
-        scope: Arc::new(Scope {
-            queue: "echo".into(),
-            namespace: "echo".into(),
-            grants: Grants::default(),
-            on_uncertain: OnUncertain::Skip,
-            mailer: Err("no email in this bench".into()),
-            providers: Arc::new(
-                Providers::from_config(&Default::default()).map_err(anyhow::Error::msg)?,
-            ),
-            email_from: "bench@localhost".into(),
-        }),
-        limits: Limits {
-            timeout: Duration::from_secs(30),
-            memory: MEMORY,
-            max_result: 1 << 20,
-            log_bytes: 64 << 10,
-            log_lines: 1024,
-        },
-    };
+    let bed = InvocationBed::echo(bench, host(None)?, guest, MEMORY)?;
     for i in 0..LANG_WARM_UP {
         bed.invoke(i).await?;
     }

@@ -1481,7 +1481,13 @@ impl InvocationBed {
             None,
             safeguards,
         )?;
-        let plugin = host.load_file("echo", &bench.plugins.join("echo.wasm"))?;
+        InvocationBed::echo(bench, host, "echo", 64 << 20)
+    }
+
+    /// A bed running `guest` (`echo` or one of its twins in other
+    /// languages) on `host`, each attempt within `memory` bytes.
+    fn echo(bench: &Bench, host: Host, guest: &str, memory: u64) -> anyhow::Result<InvocationBed> {
+        let plugin = host.load_file(guest, &bench.plugins.join(format!("{guest}.wasm")))?;
         let dir = bench.fresh_dir("invocation")?;
         let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir)?);
         let scope = Arc::new(Scope {
@@ -1502,7 +1508,7 @@ impl InvocationBed {
             scope,
             limits: Limits {
                 timeout: Duration::from_secs(30),
-                memory: 64 << 20,
+                memory,
                 max_result: 1 << 20,
                 log_bytes: 64 << 10,
                 log_lines: 1024,
