@@ -4033,6 +4033,30 @@ mod tests {
         );
     }
 
+    /// Two stores (daemons) on a fresh database, `n` jobs `j0..` waiting in
+    /// queue `q` at `t0`, and limits of `concurrency = 2`.
+    async fn two_daemons_limited_to_two(
+        n: usize,
+    ) -> (
+        TestDatabase,
+        PostgresStore,
+        PostgresStore,
+        Millis,
+        crate::store::LeaseLimits,
+    ) {
+        let db = TestDatabase::create().await;
+        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
+        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
+        let t0 = Millis(1_700_000_000_000);
+        let jobs = (0..n).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
+        a.enqueue(jobs, t0).await.unwrap();
+        let two = crate::store::LeaseLimits {
+            concurrency: Some(2),
+            rate: None,
+        };
+        (db, a, b, t0, two)
+    }
+
     /// `lease_within` counts every daemon's leases. `concurrency = 2`: two
     /// daemons lease two jobs in all, a lease held back says so, and the
     /// next end of an attempt of the queue wakes the waiting daemons; an
@@ -4041,16 +4065,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lease_within_counts_every_daemons_leases() {
         use crate::store::{Held, LeaseLimits, RateWindow};
-        let db = TestDatabase::create().await;
-        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
-        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
-        let t0 = Millis(1_700_000_000_000);
-        let jobs = (0..6).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
-        a.enqueue(jobs, t0).await.unwrap();
-        let two = LeaseLimits {
-            concurrency: Some(2),
-            rate: None,
-        };
+        let (db, a, b, t0, two) = two_daemons_limited_to_two(6).await;
         let first = a.lease_within("q", 1, "v1", t0, &two).await.unwrap();
         assert_eq!((first.leases.len(), first.held), (1, None));
         let second = b.lease_within("q", 5, "v1", t0, &two).await.unwrap();
@@ -4105,17 +4120,8 @@ mod tests {
     /// waiting daemon hears of it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_ending_attempt_leaves_room_in_its_own_daemon_first() {
-        use crate::store::{Held, LeaseLimits};
-        let db = TestDatabase::create().await;
-        let a = PostgresStore::open(&db.url, 2).await.expect("open a");
-        let b = PostgresStore::open(&db.url, 2).await.expect("open b");
-        let t0 = Millis(1_700_000_000_000);
-        let jobs = (0..4).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
-        a.enqueue(jobs, t0).await.unwrap();
-        let two = LeaseLimits {
-            concurrency: Some(2),
-            rate: None,
-        };
+        use crate::store::Held;
+        let (db, a, b, t0, two) = two_daemons_limited_to_two(4).await;
         let first = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
         assert_eq!(first.leases.len(), 2);
         // The first attempt's handler ended; its finish is not committed.
