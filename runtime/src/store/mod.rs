@@ -258,10 +258,10 @@ pub trait Store: Send + Sync + 'static {
     /// that shares this store: it leases no job that would bring the
     /// attempts of `queue` in flight (holding an unexpired lease, except
     /// this store's attempts whose [`Store::finish`] is on its way: their
-    /// handlers have ended) above `limits.concurrency`, or the attempts of `queue` started in any
-    /// window of `limits.rate.per` (on the store's clock) above
-    /// `limits.rate.max`, counting every daemon's leases made through this
-    /// method. Fewer leases than `max` come back when the limits leave less
+    /// handlers have ended) above `limits.concurrency`, or the attempts of
+    /// `queue` started in any window of `limits.rate.per` (on the store's
+    /// clock) above `limits.rate.max`, counting every daemon's leases made
+    /// through this method. Fewer leases than `max` come back when the limits leave less
     /// room; [`Leased::held`] then says why, so that the caller waits
     /// instead of asking again at once. **Applied.**
     ///

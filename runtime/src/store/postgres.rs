@@ -1580,13 +1580,14 @@ async fn wake_waiting(pool: &Pool, target: &str, queues: &[String]) -> Result<()
         return Ok(());
     }
     let client = pool_client(pool, target).await?;
-    client
-        .query(
-            "WITH w AS (DELETE FROM queue_waits WHERE queue = ANY($1::text[]) RETURNING queue) \
-             SELECT pg_notify($2, queue) FROM w",
-            &[&queues, &WAKE_CHANNEL],
-        )
-        .await?;
+    rows(
+        &client,
+        "WITH w AS (DELETE FROM queue_waits WHERE queue = ANY($1::text[]) RETURNING queue) \
+         SELECT pg_notify($2, queue) FROM w",
+        &[&queues, &WAKE_CHANNEL],
+    )
+    .await
+    .map_err(store_err)?;
     Ok(())
 }
 
