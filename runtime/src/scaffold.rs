@@ -478,7 +478,7 @@ mod tests {{
 }
 
 fn readme(name: &str, crate_name: &str) -> String {
-    format!(
+    let head = format!(
         r#"# {name}
 
 A khata job handler, made by `khata new {name} --lang rust`.
@@ -504,43 +504,20 @@ runs the unit tests of the handler's logic natively. The effects (kv,
 index, email, http) exist only inside the daemon; to run the whole handler,
 verify it.
 
-## Verify
+"#
+    );
+    let wasm = format!("target/wasm32-wasip2/release/{crate_name}.wasm");
+    head + &verify_deploy(&wasm, crate_name, name)
+}
 
-```sh
-khata verify target/wasm32-wasip2/release/{crate_name}.wasm \
-  --payload '{payload}'
-```
-
-runs the handler against a throwaway ledger with recorded providers
-(nothing is sent), then again after a crash at every effect boundary, and
-once more from the start. It exits 0 when the handler is safe to run twice,
-and 1 with what to change otherwise: keys built from time or randomness,
-requests that change under one key, effects performed twice. Add
-`--queue QUEUE -c jobs.toml` to run with that queue's grants and limits.
-
-## Deploy
-
-Copy the component into the daemon's `plugins_dir` under the plugin name a
-queue uses, and give that queue the grants the handler needs:
-
-```sh
-cp target/wasm32-wasip2/release/{crate_name}.wasm /path/to/plugins_dir/{crate_name}.wasm
-```
-
-```toml
-[queues.{name}]
-plugin = "{crate_name}"
-grants = {{ kv = true, email = true }}
-```
-
-The daemon loads the new file by itself (it watches `plugins_dir`). Then:
-
-```sh
-khata enqueue {name} '{payload}'
-```
-"#,
-        payload = EXAMPLE_PAYLOAD
-    )
+/// The end of every project's README ([`README_VERIFY_DEPLOY`]) for the
+/// component at `wasm`, deployed as plugin `plugin` of queue `queue`.
+fn verify_deploy(wasm: &str, plugin: &str, queue: &str) -> String {
+    README_VERIFY_DEPLOY
+        .replace("@WASM@", wasm)
+        .replace("@PLUGIN@", plugin)
+        .replace("@QUEUE@", queue)
+        .replace("@PAYLOAD@", EXAMPLE_PAYLOAD)
 }
 
 /// `text` quoted for a POSIX shell.
@@ -592,7 +569,7 @@ PYTHONPATH={sdk} exec python3 -m unittest discover -s src -t src "$@"
 }
 
 fn python_readme(name: &str, sdk: &Path) -> String {
-    fill(&[PYTHON_README, README_VERIFY_DEPLOY].concat(), name, sdk)
+    fill(PYTHON_README, name, sdk) + &verify_deploy(&format!("{name}.wasm"), name, name)
 }
 
 fn js_package_json(name: &str, sdk: &Path) -> String {
@@ -621,7 +598,7 @@ fn js_handler(name: &str) -> String {
 }
 
 fn js_readme(name: &str, sdk: &Path) -> String {
-    fill(&[JS_README, README_VERIFY_DEPLOY].concat(), name, sdk)
+    fill(JS_README, name, sdk) + &verify_deploy(&format!("{name}.wasm"), name, name)
 }
 
 const PYTHON_HANDLER: &str = r#""""`@NAME@`: a khata handler.
@@ -857,11 +834,12 @@ the daemon, so keep what you unit-test in modules that do not import
 
 "#;
 
-/// The end of the Python and JavaScript projects' READMEs: verify, deploy.
+/// The end of every project's README: verify, deploy (`@WASM@` the
+/// component, `@PLUGIN@` its plugin name, `@QUEUE@` the queue's).
 const README_VERIFY_DEPLOY: &str = r#"## Verify
 
 ```sh
-khata verify @NAME@.wasm --payload '@PAYLOAD@'
+khata verify @WASM@ --payload '@PAYLOAD@'
 ```
 
 runs the handler against a throwaway ledger with recorded providers
@@ -877,12 +855,12 @@ Copy the component into the daemon's `plugins_dir` under the plugin name a
 queue uses, and give that queue the grants the handler needs:
 
 ```sh
-cp @NAME@.wasm /path/to/plugins_dir/@NAME@.wasm
+cp @WASM@ /path/to/plugins_dir/@PLUGIN@.wasm
 ```
 
 ```toml
-[queues.@NAME@]
-plugin = "@NAME@"
+[queues.@QUEUE@]
+plugin = "@PLUGIN@"
 grants = { kv = true, email = true }
 ```
 
@@ -891,6 +869,6 @@ compiles it once (the compiled code is kept in `data_dir/code-cache`). A new
 queue needs a reload (`kill -HUP`). Then:
 
 ```sh
-khata enqueue @NAME@ '@PAYLOAD@'
+khata enqueue @QUEUE@ '@PAYLOAD@'
 ```
 "#;
