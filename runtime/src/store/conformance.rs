@@ -270,14 +270,14 @@ pub async fn delivery_order(s: Arc<dyn Store>) {
         jobs.push(j);
     }
     s.enqueue(jobs, T0).await.unwrap();
-    let order: Vec<String> = s
-        .lease("q", 10, "v1", T0)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.job_id)
-        .collect();
+    let leases = s.lease("q", 10, "v1", T0).await.unwrap();
+    let order: Vec<&str> = leases.iter().map(|l| l.job_id.as_str()).collect();
     assert_eq!(order, ["p9", "p5", "p0-early", "p0-early-2", "p0-late"]);
+    let tokens: Vec<u64> = leases.iter().map(|l| l.token).collect();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens grow in delivery order: {tokens:?}"
+    );
 }
 
 pub async fn delayed_jobs_wait(s: Arc<dyn Store>) {

@@ -13,7 +13,11 @@
 //! - **Leasing** takes the head of the ready order (priority desc, `run_at`,
 //!   enqueue order) with `FOR UPDATE SKIP LOCKED`, so concurrent leases never
 //!   pick the same job; each leased job gets a token from the sequence
-//!   `fencing_tokens`, in delivery order.
+//!   `fencing_tokens`, in delivery order. Counting the queue's limits,
+//!   picking, the tokens, the jobs moved and their attempts opened are one
+//!   statement; a limited lease sends it pipelined behind the queue's
+//!   advisory lock, so that a lease costs three round trips (BEGIN, lock
+//!   and lease, COMMIT).
 //! - **The lease check** of every step that writes for an attempt (kv and
 //!   index writes, `fence_begin`, `fence_take_over`) reads the job row with
 //!   `FOR SHARE` (`finish` with `FOR UPDATE`), so a cancel (or anything else
@@ -1376,84 +1380,108 @@ async fn enqueue_batch<C: GenericClient>(
     Ok(out)
 }
 
-/// Leases up to `max` ready jobs of `queue` for `owner`; their attempts
-/// start at `now` (the caller's clock) and at `at` on the database's clock
-/// (`leased_at`; `None`: the clock now).
-async fn lease_batch<C: GenericClient>(
-    c: &C,
-    queue: &str,
-    max: u32,
-    plugin_version: &str,
-    now: Millis,
-    (owner, lease_ms): (&str, i64),
-    at: Option<SystemTime>,
-) -> Result<Vec<Lease>, Fail> {
-    let picked = rows(
-        c,
-        "SELECT id, payload, attempt, max_attempts, enqueued_at FROM jobs \
-         WHERE queue = $1 AND state = 'waiting' AND run_at <= $2 \
-         ORDER BY priority DESC, run_at, seq LIMIT $3 FOR UPDATE SKIP LOCKED",
-        &[&queue, &now.0, &i64::from(max)],
-    )
-    .await?;
-    if picked.is_empty() {
-        return Ok(Vec::new());
-    }
-    let n = i32::try_from(picked.len()).unwrap_or(i32::MAX);
-    let mut tokens: Vec<i64> = rows(
-        c,
-        "SELECT nextval('fencing_tokens') FROM generate_series(1, $1)",
-        &[&n],
-    )
-    .await?
-    .iter()
-    .map(|r| r.try_get(0))
-    .collect::<Result<_, _>>()?;
-    // In delivery order, tokens grow.
-    tokens.sort_unstable();
-    let mut leases = Vec::with_capacity(picked.len());
-    let mut ids = Vec::with_capacity(picked.len());
-    for (r, token) in picked.iter().zip(&tokens) {
-        let id: String = r.try_get(0)?;
-        ids.push(id.clone());
-        leases.push(Lease {
-            job_id: id,
-            queue: queue.to_owned(),
-            payload: r.try_get(1)?,
-            attempt: u32_of(r.try_get(2)?) + 1,
-            max_attempts: u32_of(r.try_get(3)?),
-            enqueued_at: Millis(r.try_get(4)?),
-            token: u64_of(*token),
-        });
-    }
-    exec(
-        c,
-        "WITH leased AS ( \
-             UPDATE jobs j SET state = 'active', attempt = j.attempt + 1, \
-                 budget_used = j.budget_used + 1, lease_token = v.token, lease_owner = $4, \
-                 lease_expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond' \
-             FROM unnest($1::text[], $2::bigint[]) AS v(id, token) WHERE j.id = v.id \
-             RETURNING j.id, j.attempt, j.lease_token) \
-         INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version, leased_at) \
-         SELECT id, attempt, lease_token, $3, 'running', $6, COALESCE($7::timestamptz, clock_timestamp()) \
-         FROM leased",
-        &[&ids, &tokens, &now.0, &owner, &lease_ms, &plugin_version, &at],
-    )
-    .await?;
-    Ok(leases)
+/// The attempts of queue `$1` in flight at `$at` (an SQL scalar subquery):
+/// unexpired leases, except the tokens of the `bigint[]` parameter
+/// `$ending` (attempts of this daemon whose finishes are on their way) while
+/// no daemon waits for room in the queue. See [`lease_step`].
+macro_rules! in_flight_sql {
+    ($at:literal, $ending:literal) => {
+        concat!(
+            "(SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'active' AND lease_expires_at > ",
+            $at,
+            " AND (lease_token <> ALL(",
+            $ending,
+            "::bigint[]) OR EXISTS (SELECT 1 FROM queue_waits WHERE queue = $1)))"
+        )
+    };
 }
 
-/// The lease step within limits across daemons ([`Store::lease_within`]).
+/// The lease, in one statement: it counts the queue's attempts in flight
+/// (`$3`, the concurrency, not NULL) and its starts in the window (`$4`, the
+/// window in ms, above 0; `$5` starts at most in it), leases what is left of
+/// `$2` from the head of the ready order (`FOR UPDATE SKIP LOCKED`), gives
+/// the leased jobs tokens from `fencing_tokens` that grow in delivery order,
+/// opens their attempts (started at `$6` on the caller's clock and at `t` on
+/// the database's), records their starts for the rate limit, and records a
+/// wait when the concurrency leaves no room. Other parameters: `$1` the
+/// queue, `$7` the owner, `$8` the lease in ms, `$9` the plugin version,
+/// `$10` the ending tokens (see [`in_flight_sql`]).
 ///
-/// It first takes the queue's transaction advisory lock, held to its
-/// commit: the limited leases of one queue run one at a time, on every
-/// daemon, so what this one counts (the queue's attempts in flight, its
-/// starts in the window) cannot change before it commits its own leases,
-/// except downwards (an attempt ends, a lease expires). Its statements
-/// after the lock see every lease committed before the lock was granted
-/// (READ COMMITTED: a snapshot per statement). Times are the database's:
-/// `t`, read once under the lock, is the start of every attempt leased
-/// here, and later than every start already recorded.
+/// The jobs are moved by their ids as an array (an index scan of the
+/// primary key whatever the plan's guess of how many were picked: a join
+/// with `picked` would be planned for the unknown `LIMIT`'s default share
+/// of the queue and scan the whole table).
+///
+/// One row for each job leased, in delivery order, or one row with NULL job
+/// columns: `t`, the room by concurrency and by rate, the start whose exit
+/// from the window gives room again (only when the rate limit binds), then
+/// the job's id, payload, attempt, max attempts, enqueue time and token.
+const LEASE_SQL: &str = concat!(
+    "WITH t AS MATERIALIZED (SELECT clock_timestamp() AS t), \
+     n AS MATERIALIZED (SELECT t.t, \
+         CASE WHEN $3::bigint IS NULL THEN 0 ELSE ",
+    in_flight_sql!("t.t", "$10"),
+    " END AS active, \
+         CASE WHEN $4::bigint > 0 THEN (SELECT COUNT(*) FROM queue_starts WHERE queue = $1 \
+             AND at > t.t - $4::bigint * interval '1 millisecond') ELSE 0 END AS started \
+         FROM t), \
+     r AS MATERIALIZED (SELECT n.t, n.started, \
+         CASE WHEN $3::bigint IS NULL THEN $2::bigint ELSE GREATEST($3::bigint - n.active, 0) END AS by_conc, \
+         CASE WHEN $4::bigint > 0 THEN GREATEST($5::bigint - n.started, 0) ELSE $2::bigint END AS by_rate \
+         FROM n), \
+     picked AS MATERIALIZED (SELECT id, priority, run_at, seq FROM jobs \
+         WHERE queue = $1 AND state = 'waiting' AND run_at <= $6 \
+         ORDER BY priority DESC, run_at, seq \
+         LIMIT (SELECT LEAST($2::bigint, by_conc, by_rate) FROM r) FOR UPDATE SKIP LOCKED), \
+     ordered AS (SELECT id, row_number() OVER (ORDER BY priority DESC, run_at, seq) AS k FROM picked), \
+     tokens AS (SELECT row_number() OVER (ORDER BY token) AS k, token \
+         FROM (SELECT nextval('fencing_tokens') AS token FROM picked) s), \
+     assigned AS MATERIALIZED (SELECT o.id, tk.token FROM ordered o JOIN tokens tk ON tk.k = o.k), \
+     leased AS (UPDATE jobs j SET state = 'active', attempt = j.attempt + 1, \
+             budget_used = j.budget_used + 1, \
+             lease_token = (SELECT a.token FROM assigned a WHERE a.id = j.id), lease_owner = $7, \
+             lease_expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond' \
+         WHERE j.id = ANY (ARRAY(SELECT id FROM assigned)) \
+         RETURNING j.id, j.payload, j.attempt, j.max_attempts, j.enqueued_at, j.lease_token), \
+     opened AS (INSERT INTO attempts (job_id, number, token, started_at, outcome, plugin_version, leased_at) \
+         SELECT id, attempt, lease_token, $6, 'running', $9, (SELECT t FROM t) FROM leased), \
+     aged AS (DELETE FROM queue_starts WHERE $4::bigint > 0 AND queue = $1 \
+         AND at <= (SELECT t FROM t) - $4::bigint * interval '1 millisecond' \
+         AND EXISTS (SELECT 1 FROM leased)), \
+     counted AS (INSERT INTO queue_starts (queue, at) \
+         SELECT $1, (SELECT t FROM t) FROM leased WHERE $4::bigint > 0), \
+     waited AS (INSERT INTO queue_waits (queue) SELECT $1 FROM r \
+         WHERE r.by_conc = 0 AND $2::bigint > 0 AND NOT ($4::bigint > 0 AND r.by_rate <= r.by_conc) \
+         ON CONFLICT DO NOTHING) \
+     SELECT r.t, r.by_conc, r.by_rate, \
+         CASE WHEN LEAST($2::bigint, r.by_conc, r.by_rate) < $2::bigint AND $4::bigint > 0 \
+             AND r.by_rate <= r.by_conc THEN (SELECT at FROM queue_starts WHERE queue = $1 \
+                 AND at > r.t - $4::bigint * interval '1 millisecond' \
+                 ORDER BY at OFFSET GREATEST(r.started - $5::bigint, 0) LIMIT 1) END, \
+         l.id, l.payload, l.attempt, l.max_attempts, l.enqueued_at, l.lease_token \
+     FROM r LEFT JOIN leased l ON true ORDER BY l.lease_token"
+);
+
+/// Counts the attempts of queue `$1` in flight now ([`in_flight_sql`],
+/// `$2` the ending tokens).
+const IN_FLIGHT_SQL: &str = concat!("SELECT ", in_flight_sql!("clock_timestamp()", "$2"));
+
+/// Takes a queue's limited leases one at a time across daemons
+/// ([`lease_step`]).
+const QUEUE_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock($1, hashtext($2))";
+
+/// The lease of up to `max` jobs of `queue` for `owner`, within `limits`
+/// ([`LEASE_SQL`]).
+///
+/// With limits, it first takes the queue's transaction advisory lock, held
+/// to its commit: the limited leases of one queue run one at a time, on
+/// every daemon, so what this one counts (the queue's attempts in flight,
+/// its starts in the window) cannot change before it commits its own
+/// leases, except downwards (an attempt ends, a lease expires). The lease
+/// statement after the lock sees every lease committed before the lock was
+/// granted (READ COMMITTED: a snapshot per statement). Times are the
+/// database's: `t`, read once under the lock, is the start of every attempt
+/// leased here, and later than every start already recorded.
 ///
 /// In flight: an unexpired lease, except the attempts in `ending` (this
 /// daemon's, whose handlers have ended and whose finishes are on their
@@ -1463,104 +1491,82 @@ async fn lease_batch<C: GenericClient>(
 /// daemon whose attempts end would otherwise take their room again before
 /// their commit wakes the waiting ones, and keep the queue to itself.
 #[allow(clippy::too_many_arguments)]
-async fn lease_limited<C: GenericClient>(
+async fn lease_step<C: GenericClient>(
     c: &C,
     queue: &str,
     max: u32,
     plugin_version: &str,
     now: Millis,
-    owner: (&str, i64),
+    (owner, lease_ms): (&str, i64),
     limits: &LeaseLimits,
     ending: &[i64],
 ) -> Result<Leased, Fail> {
-    exec(
-        c,
-        "SELECT pg_advisory_xact_lock($1, hashtext($2))",
-        &[&QUEUE_LOCK, &queue],
-    )
-    .await?;
-    let per_ms = limits
-        .rate
-        .map_or(0, |r| i64::try_from(r.per.as_millis()).unwrap_or(i64::MAX));
-    let r = rows(
-        c,
-        "WITH t AS (SELECT clock_timestamp() AS t) \
-         SELECT t.t, \
-             CASE WHEN $2 THEN (SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'active' \
-                 AND lease_expires_at > t.t AND (lease_token <> ALL($4::bigint[]) \
-                     OR EXISTS (SELECT 1 FROM queue_waits WHERE queue = $1))) ELSE 0 END, \
-             CASE WHEN $3::bigint > 0 THEN (SELECT COUNT(*) FROM queue_starts WHERE queue = $1 \
-                 AND at > t.t - $3::bigint * interval '1 millisecond') ELSE 0 END \
-         FROM t",
-        &[&queue, &limits.concurrency.is_some(), &per_ms, &ending],
-    )
-    .await?;
-    let r = r.first().ok_or_else(|| unavailable("no row"))?;
-    let t: SystemTime = r.try_get(0)?;
-    let active = u64_of(r.try_get(1)?);
-    let started = u64_of(r.try_get(2)?);
-    let room =
-        |limit: u32, used: u64| u32::try_from(u64::from(limit).saturating_sub(used)).unwrap_or(0);
-    let by_concurrency = limits.concurrency.map_or(max, |n| room(n, active));
-    let by_rate = limits.rate.map_or(max, |w| room(w.max, started));
-    let want = max.min(by_concurrency).min(by_rate);
+    let concurrency = limits.concurrency.map(i64::from);
+    let (per_ms, per_max) = limits.rate.map_or((0, 0), |r| {
+        (
+            i64::try_from(r.per.as_millis()).unwrap_or(i64::MAX),
+            i64::from(r.max),
+        )
+    });
+    let max_rows = i64::from(max);
+    let params: Params<'_> = &[
+        &queue,
+        &max_rows,
+        &concurrency,
+        &per_ms,
+        &per_max,
+        &now.0,
+        &owner,
+        &lease_ms,
+        &plugin_version,
+        &ending,
+    ];
+    let lease = c.prepare_cached(LEASE_SQL).await?;
+    let found = if limits.concurrency.is_some() || limits.rate.is_some() {
+        let lock = c.prepare_cached(QUEUE_LOCK_SQL).await?;
+        let key: Params<'_> = &[&QUEUE_LOCK, &queue];
+        // Pipelined: both are sent at once (first polled, first sent) and
+        // the server runs them in that order, so the lease's snapshot is
+        // taken after the lock was granted.
+        let (_, found) = tokio::try_join!(c.execute(&lock, key), c.query(&lease, params))?;
+        found
+    } else {
+        c.query(&lease, params).await?
+    };
+    let first = found.first().ok_or_else(|| unavailable("no row"))?;
+    let t: SystemTime = first.try_get(0)?;
+    let room = |v: i64| u32::try_from(v).unwrap_or(u32::MAX);
+    let by_conc = room(first.try_get(1)?);
+    let by_rate = room(first.try_get(2)?);
+    let oldest: Option<SystemTime> = first.try_get(3)?;
+    let want = max.min(by_conc).min(by_rate);
     let held = match limits.rate {
         _ if want == max => None,
-        // `by_rate < max`: there is a rate limit, and it binds.
-        Some(w) if by_rate <= by_concurrency => {
-            // Room comes back when the start `max` places before the
-            // newest leaves the window.
-            let k = i64::try_from(started.saturating_sub(u64::from(w.max))).unwrap_or(i64::MAX);
-            let oldest = row_opt(
-                c,
-                "SELECT at FROM queue_starts WHERE queue = $1 \
-                 AND at > $2::timestamptz - $3::bigint * interval '1 millisecond' \
-                 ORDER BY at OFFSET $4 LIMIT 1",
-                &[&queue, &t, &per_ms, &k],
-            )
-            .await?;
-            let wait = match oldest {
-                Some(r) => {
-                    let at: SystemTime = r.try_get(0)?;
-                    (at + w.per).duration_since(t).unwrap_or_default()
-                }
-                None => Duration::ZERO,
-            };
+        // `by_rate < max`: there is a rate limit, and it binds. Room comes
+        // back when the start `max` places before the newest leaves the
+        // window.
+        Some(w) if by_rate <= by_conc => {
+            let wait = oldest.map_or(Duration::ZERO, |at| {
+                (at + w.per).duration_since(t).unwrap_or_default()
+            });
             Some(Held::Rate(wait.max(Duration::from_millis(1))))
         }
         _ => Some(Held::Concurrency),
     };
-    if want == 0 {
-        if held == Some(Held::Concurrency) {
-            // Whichever attempt of the queue ends next wakes every daemon.
-            exec(
-                c,
-                "INSERT INTO queue_waits (queue) VALUES ($1) ON CONFLICT DO NOTHING",
-                &[&queue],
-            )
-            .await?;
-        }
-        return Ok(Leased {
-            leases: Vec::new(),
-            held,
+    let mut leases = Vec::with_capacity(found.len());
+    for r in &found {
+        let Some(job_id) = r.try_get::<_, Option<String>>(4)? else {
+            break;
+        };
+        leases.push(Lease {
+            job_id,
+            queue: queue.to_owned(),
+            payload: r.try_get(5)?,
+            attempt: u32_of(r.try_get(6)?),
+            max_attempts: u32_of(r.try_get(7)?),
+            enqueued_at: Millis(r.try_get(8)?),
+            token: u64_of(r.try_get(9)?),
         });
-    }
-    let leases = lease_batch(c, queue, want, plugin_version, now, owner, Some(t)).await?;
-    if limits.rate.is_some() && !leases.is_empty() {
-        let n = i32::try_from(leases.len()).unwrap_or(i32::MAX);
-        exec(
-            c,
-            "DELETE FROM queue_starts WHERE queue = $1 \
-             AND at <= $2::timestamptz - $3::bigint * interval '1 millisecond'",
-            &[&queue, &t, &per_ms],
-        )
-        .await?;
-        exec(
-            c,
-            "INSERT INTO queue_starts (queue, at) SELECT $1::text, $2::timestamptz FROM generate_series(1, $3)",
-            &[&queue, &t, &n],
-        )
-        .await?;
     }
     Ok(Leased { leases, held })
 }
@@ -2671,19 +2677,10 @@ impl Store for PostgresStore {
         plugin_version: &str,
         now: Millis,
     ) -> Result<Vec<Lease>, StoreError> {
-        let owner = (self.daemon_id.as_str(), self.lease_ms());
-        let leases = step!(self, Mode::Write, |tx| lease_batch(
-            &tx,
-            queue,
-            max,
-            plugin_version,
-            now,
-            owner,
-            None
-        )
-        .await)?;
-        self.hold(&leases);
-        Ok(leases)
+        let leased = self
+            .lease_within(queue, max, plugin_version, now, &LeaseLimits::default())
+            .await?;
+        Ok(leased.leases)
     }
 
     async fn lease_within(
@@ -2694,17 +2691,11 @@ impl Store for PostgresStore {
         now: Millis,
         limits: &LeaseLimits,
     ) -> Result<Leased, StoreError> {
-        if limits.concurrency.is_none() && limits.rate.is_none() {
-            return Ok(Leased {
-                leases: self.lease(queue, max, plugin_version, now).await?,
-                held: None,
-            });
-        }
         let owner = (self.daemon_id.as_str(), self.lease_ms());
         let mut tries = 0;
         loop {
             let ending = self.ending();
-            let leased = step!(self, Mode::Write, |tx| lease_limited(
+            let leased = step!(self, Mode::Write, |tx| lease_step(
                 &tx,
                 queue,
                 max,
@@ -2731,15 +2722,9 @@ impl Store for PostgresStore {
             };
             let ending = self.ending();
             let client = self.client().await?;
-            let r = row_opt(
-                &client,
-                "SELECT COUNT(*) FROM jobs WHERE queue = $1 AND state = 'active' \
-                 AND lease_expires_at > clock_timestamp() AND (lease_token <> ALL($2::bigint[]) \
-                     OR EXISTS (SELECT 1 FROM queue_waits WHERE queue = $1))",
-                &[&queue, &ending],
-            )
-            .await
-            .map_err(store_err)?;
+            let r = row_opt(&client, IN_FLIGHT_SQL, &[&queue, &ending])
+                .await
+                .map_err(store_err)?;
             let in_flight = match r {
                 Some(r) => u64_of(r.try_get(0)?),
                 None => 0,
