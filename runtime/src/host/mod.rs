@@ -23,6 +23,7 @@
 //! effect errors go back to the guest as WIT values, limits end the attempt.
 
 mod bindings;
+mod limits;
 mod stdio;
 
 use std::collections::BTreeSet;
@@ -35,12 +36,13 @@ use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
     Cache, CacheConfig, Config, Enabled, Engine, InstanceAllocationStrategy,
-    PoolingAllocationConfig, Store, StoreLimits, StoreLimitsBuilder, Trap,
+    PoolingAllocationConfig, Store, Trap,
 };
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 pub use bindings::Capability;
 use bindings::{Handler, HandlerPre};
+use limits::{AttemptLimits, Deadline};
 use stdio::Capture;
 
 use crate::effects::Effects;
@@ -172,7 +174,7 @@ pub enum RunOutcome {
 pub struct AttemptState {
     wasi: WasiCtx,
     table: ResourceTable,
-    limits: StoreLimits,
+    limits: AttemptLimits,
     effects: Effects,
     log: LogBudget,
 }
@@ -284,13 +286,16 @@ impl Host {
         let instances = pool.instances.max(16);
         pooling
             .total_component_instances(instances)
-            .total_core_instances(instances * 16)
-            .total_memories(instances * 4)
-            .total_tables(instances * 4)
+            // Every slot can hold as many core instances, memories and
+            // tables as one attempt may create (limits.rs), so that one
+            // queue's guests cannot take the pool's slots from another's.
+            .total_core_instances(instances * limits::INSTANCES as u32)
+            .total_memories(instances * limits::MEMORIES as u32)
+            .total_tables(instances * limits::TABLES as u32)
             .total_stacks(instances)
-            .max_memories_per_component(8)
-            .max_tables_per_component(8)
-            .max_core_instances_per_component(32)
+            .max_memories_per_component(limits::MEMORIES as u32)
+            .max_tables_per_component(limits::TABLES as u32)
+            .max_core_instances_per_component(limits::INSTANCES as u32)
             .max_memory_size(usize::try_from(pool.max_memory).unwrap_or(usize::MAX))
             // Reusing a slot resets its memory; keeping the first MiB resident
             // (zeroed with memset instead of madvise) and letting the kernel
@@ -411,12 +416,7 @@ impl Host {
         let state = AttemptState {
             wasi,
             table: ResourceTable::new(),
-            limits: StoreLimitsBuilder::new()
-                .memory_size(usize::try_from(limits.memory).unwrap_or(usize::MAX))
-                .table_elements(1 << 20)
-                .instances(64)
-                .trap_on_grow_failure(true)
-                .build(),
+            limits: AttemptLimits::new(limits.memory),
             effects,
             log: LogBudget {
                 job_id: job.id.clone(),
@@ -435,9 +435,12 @@ impl Host {
             store.limiter(|s| &mut s.limits);
         }
         if self.safeguards.epoch_interruption {
-            let ticks = limits.timeout.as_millis() / EPOCH_TICK.as_millis() + 1;
-            store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
-            store.epoch_deadline_trap();
+            // At every tick a computing guest yields its worker thread (the
+            // runtime's two threads also serve the API, heartbeats and the
+            // watchdog), and past the timeout it is interrupted.
+            let deadline = Deadline::after(limits.timeout);
+            store.set_epoch_deadline(1);
+            store.epoch_deadline_callback(move |_| Ok(deadline.update()));
         }
 
         let wit_job = bindings::Job {
@@ -472,11 +475,12 @@ impl Host {
                     RunOutcome::Ok(result)
                 }
             }
-            Ok(Ok(Err(bindings::JobError::Retry(reason)))) => {
-                RunOutcome::Retry(guest_reason(reason))
-            }
-            Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(guest_reason(reason)),
-            Ok(Err(trap)) => classify_trap(&trap, limits, &stderr.contents().0),
+            Ok(Ok(Err(bindings::JobError::Retry(reason)))) => RunOutcome::Retry(guest_text(reason)),
+            Ok(Ok(Err(bindings::JobError::Fail(reason)))) => RunOutcome::Fail(guest_text(reason)),
+            Ok(Err(trap)) => match classify_trap(&trap, limits, &stderr.contents().0) {
+                RunOutcome::Trap(text) => RunOutcome::Trap(guest_text(text)),
+                other => other,
+            },
         };
         let log = &store.data().log;
         if log.truncated {
@@ -497,10 +501,11 @@ impl Host {
 /// The most of a guest's retry or fail reason that is kept in the ledger.
 pub const MAX_REASON: usize = 4096;
 
-/// A guest's reason as the ledger keeps it: at most [`MAX_REASON`] bytes
-/// (cut at a character boundary, with the number of bytes dropped said), and
-/// no NUL character (replaced by U+FFFD, which every backend's text takes).
-fn guest_reason(reason: String) -> String {
+/// Text from a guest (its retry or fail reason, or a trap's message with
+/// its stderr) as the ledger keeps it: at most [`MAX_REASON`] bytes (cut at a
+/// character boundary, with the number of bytes dropped said), and no NUL
+/// character (replaced by U+FFFD, which every backend's text takes).
+fn guest_text(reason: String) -> String {
     let mut reason = if reason.contains('\0') {
         reason.replace('\0', "\u{FFFD}")
     } else {
@@ -587,18 +592,15 @@ fn log_stdio(job_id: &str, attempt: u32, plugin: &str, stream: &str, capture: &C
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_REASON, guest_reason};
+    use super::{MAX_REASON, guest_text};
 
     #[test]
     fn a_guest_reason_is_bounded_at_a_character_boundary_and_loses_its_nuls() {
-        assert_eq!(
-            guest_reason("card\0declined".into()),
-            "card\u{FFFD}declined"
-        );
-        assert_eq!(guest_reason("short".into()), "short");
+        assert_eq!(guest_text("card\0declined".into()), "card\u{FFFD}declined");
+        assert_eq!(guest_text("short".into()), "short");
         // 'é' is two bytes: a cut in its middle moves back before it.
         let long = format!("{}é{}", "x".repeat(MAX_REASON - 1), "y".repeat(10));
-        let kept = guest_reason(long.clone());
+        let kept = guest_text(long.clone());
         assert!(kept.starts_with(&"x".repeat(MAX_REASON - 1)));
         assert!(
             kept.ends_with(&format!(

@@ -46,6 +46,9 @@
 //!    compiled-code cache); and µs per `echo` invocation with the sandbox's
 //!    in-engine limits (epoch interruption, store limiter) and without them.
 //! 9. handler languages: Rust, Python and JavaScript side by side (`langs`).
+//! 10. the API while every slot of two queues runs a guest that computes for
+//!     20 s: `/healthz` and enqueue latency (p50, p99, max), and the jobs of a
+//!     third queue completed meanwhile (`computing`).
 //!
 //! `--backend sled` runs every daemon of the figures on the sled store
 //! (`[store] backend = "sled"`) instead of SQLite, so that the two can be
@@ -83,6 +86,7 @@ use khata::job::{LeaseRef, Millis, NewJob};
 use khata::store::Store;
 use khata::store::sqlite::SqliteStore;
 
+mod computing;
 mod langs;
 mod postgres;
 
@@ -138,7 +142,7 @@ struct Args {
     #[arg(long)]
     million: bool,
     /// Run only these figures, e.g. `--only 1,4`.
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=9))]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=10))]
     only: Vec<u8>,
     /// Jobs drained in each run of figure 7's jobs/s (7a-7c).
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -219,6 +223,9 @@ async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
     }
     if wanted(9) {
         rows.extend(langs::figure_languages(bench).await?);
+    }
+    if wanted(10) {
+        rows.extend(computing::figure_computing(bench).await?);
     }
     Ok(rows)
 }

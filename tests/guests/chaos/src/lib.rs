@@ -8,7 +8,9 @@
 //! | `retry` | | `Retry("asked to retry")` |
 //! | `retry_until` | `n` | retries while `attempt < n`, then `{"attempt": attempt}` |
 //! | `trap` | | panics: the guest traps |
+//! | `trap_with` | `text` | panics with `text` as its message: the guest traps |
 //! | `loop` | | spins forever |
+//! | `compute` | `ms` | computes (never calls the host) for `ms` of wall-clock time, then `{"computed": ms}` |
 //! | `memory` | | allocates and touches 1 MiB chunks until memory runs out |
 //! | `recurse` | | recurses until the stack runs out |
 //! | `big_result` | `bytes` | returns a JSON string of `bytes` characters (`bytes + 2` bytes of JSON text) |
@@ -50,7 +52,9 @@ fn handle(job: Job) -> Result<Value, Error> {
         "retry" => Err(Error::retry("asked to retry")),
         "retry_until" => retry_until(&job, number(&payload, "n")?),
         "trap" => panic!("chaos trap"),
+        "trap_with" => panic!("{}", text(&payload, "text")?),
         "loop" => spin(),
+        "compute" => compute(number(&payload, "ms")?),
         "memory" => exhaust_memory(),
         "recurse" => Ok(json!(recurse(0))),
         "big_result" => Ok(json!("x".repeat(to_usize(number(&payload, "bytes")?)?))),
@@ -92,6 +96,20 @@ fn spin() -> ! {
     loop {
         i = black_box(i).wrapping_add(1);
     }
+}
+
+/// Spins until `ms` have passed. `Instant::now` reads WASI's monotonic
+/// clock, a host call; it is read once every few million iterations, so
+/// almost all the time is spent in guest code, as a real computation.
+fn compute(ms: u64) -> Result<Value, Error> {
+    let end = std::time::Instant::now() + Duration::from_millis(ms);
+    let mut i = 0u64;
+    while std::time::Instant::now() < end {
+        for _ in 0..4_000_000 {
+            i = black_box(i).wrapping_add(1);
+        }
+    }
+    Ok(json!({ "computed": ms, "spins": black_box(i) > 0 }))
 }
 
 fn exhaust_memory() -> ! {
