@@ -446,3 +446,47 @@ async fn a_cancelled_attempt_still_running_is_fenced_from_every_effect() {
         "kv unchanged since the cancel"
     );
 }
+
+/// A SQLite commit that fails (a full disk, an I/O error) stops the ledger
+/// for good (issue 20): the enqueue that needed it is refused, the daemon
+/// exits non-zero at once (no grace: nothing could finish), and
+/// after a restart everything acknowledged is there and nothing else.
+#[tokio::test]
+async fn a_failed_commit_stops_the_ledger_and_the_daemon_exits() {
+    let mut d = Daemon::prepare("[queues.echo]\nplugin = \"echo\"\n", &[("echo", "echo")]);
+    let trigger = d.dir.path().join("fail-commits");
+    d.env(
+        "FAILPOINTS",
+        &format!("sqlite::commit=return({})", trigger.display()),
+    );
+    d.start().await;
+    d.wait_plugin("echo").await;
+    let kept = d.enqueue("echo", payload(json!({"n": 1}))).await;
+    d.wait_state(&kept, "completed", 30).await;
+
+    std::fs::write(&trigger, b"").unwrap();
+    let (status, v) = d
+        .call(
+            "POST",
+            "/v1/queues/echo/jobs",
+            Some(json!({"payload": {"n": 2}, "id": "lost"})),
+        )
+        .await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "storage_unavailable", "{v}");
+    let exit = d.wait_exit(Duration::from_secs(30)).await;
+    assert!(!exit.success(), "exit status {exit}");
+    let log = d.log();
+    assert!(log.contains("ledger commit failed"), "{log}");
+    assert!(
+        log.contains("the daemon exits so that it is restarted"),
+        "{log}"
+    );
+
+    std::fs::remove_file(&trigger).unwrap();
+    d.unset_env("FAILPOINTS");
+    d.start().await;
+    assert_eq!(d.job(&kept).await["state"], "completed");
+    let (status, _) = d.call("GET", "/v1/jobs/lost", None).await;
+    assert_eq!(status, 404, "the refused enqueue left nothing");
+}

@@ -264,3 +264,107 @@ async fn sighup_adds_changes_and_removes_schedules_without_refiring() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(names().await, ["daily 0 0 * * *"]);
 }
+
+/// A fire time whose id another job holds (here: the same schedule's job
+/// from before its payload changed) is skipped with one error line, and the
+/// schedule goes on with its next fire time; it does not spin.
+#[tokio::test]
+async fn a_fire_time_whose_id_is_taken_is_skipped_once() {
+    let schedule = |v: u32| {
+        format!(
+            "{QUEUE}\n[schedules.all]\nqueue = \"tick\"\ncron = \"0 0 * * *\"\npayload = {{ v = {v} }}\ncatch_up = \"all\"\n"
+        )
+    };
+    let mut d = Daemon::start_new(&schedule(1), &[("echo", "echo")]).await;
+    d.wait_plugin("tick").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let advance = async |d: &Daemon, by: &str| {
+        let (status, v): (u16, Value) = d
+            .call(
+                "POST",
+                "/v1/test/clock",
+                Some(serde_json::json!({"advance": by})),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    };
+    advance(&d, "1d").await;
+    let first = wait_count(&d, "all", 1).await.remove(0);
+    assert!(d.terminate().success());
+
+    // The payload changes and the marks go back before that fire time: the
+    // daemon tries the same fire time, whose id is taken by payload 1.
+    d.rewrite_config(&schedule(2));
+    let fire: DateTime<Utc> = first
+        .strip_prefix("schedule:all:")
+        .unwrap()
+        .parse()
+        .unwrap();
+    write_marks(&d, SystemTime::from(fire - chrono::Duration::seconds(1)));
+    d.start().await;
+    d.wait_plugin("tick").await;
+    advance(&d, "1d").await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    advance(&d, "1d").await;
+    let ids = wait_count(&d, "all", 2).await;
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    let log = d.log();
+    assert_eq!(
+        log.matches("fire time skipped").count(),
+        1,
+        "one line for the taken fire time:\n{log}"
+    );
+    assert!(!log.contains("could not enqueue"), "{log}");
+    let old = d.job(&first).await;
+    assert_eq!(old["payload"]["v"], 1, "{old}");
+    let new = d.job(&ids[1]).await;
+    assert_eq!(new["payload"]["v"], 2, "{new}");
+}
+
+/// A store that keeps refusing a schedule's enqueue: the schedule backs
+/// off and logs the cause once, then fires once the store takes it again.
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn a_failing_enqueue_backs_off_and_is_logged_once() {
+    let mut d = Daemon::prepare(
+        &format!("{QUEUE}\n[schedules.all]\nqueue = \"tick\"\ncron = \"0 0 * * *\"\n"),
+        &[("echo", "echo")],
+    );
+    // Four refusals: tried at 0, 1, 3 and 7 s, taken at 15 s.
+    d.env(
+        "FAILPOINTS",
+        "schedule::enqueue=4*return(the disk is on fire)",
+    );
+    d.start().await;
+    d.wait_plugin("tick").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (status, v) = d
+        .call(
+            "POST",
+            "/v1/test/clock",
+            Some(serde_json::json!({"advance": "1d"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_secs(40);
+    while fired(&d, "all").await.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "{}", d.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        started.elapsed() >= Duration::from_secs(7),
+        "four refusals back off 1 + 2 + 4 + 8 s, fired after {:?}",
+        started.elapsed()
+    );
+    let log = d.log();
+    assert_eq!(
+        log.matches("schedule could not enqueue").count(),
+        1,
+        "the cause is logged once:\n{log}"
+    );
+    assert!(log.contains("the disk is on fire"), "{log}");
+    assert!(log.contains("schedule enqueues again"), "{log}");
+    let (_, view) = d.call("GET", "/v1/schedules", None).await;
+    assert!(view["schedules"][0]["last_error"].is_null(), "{view}");
+}

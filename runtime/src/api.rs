@@ -469,6 +469,11 @@ const READY_WAIT: Duration = Duration::from_secs(2);
 /// `storage_unavailable`, so that a load balancer sends enqueues to a
 /// daemon that can take them. Needs no token, as `/healthz`.
 async fn ready(State(state): State<AppState>) -> ApiResult<Json<Value>> {
+    if let Some(why) = state.store.halted() {
+        return Err(
+            StoreError::Unavailable(format!("the ledger stopped taking writes: {why}")).into(),
+        );
+    }
     // A read of an id no job can have (ids are not empty): one indexed look-up.
     match tokio::time::timeout(READY_WAIT, state.store.job("", state.queues.now())).await {
         Ok(Ok(_)) => Ok(Json(json!({"status": "ready"}))),

@@ -42,9 +42,14 @@ use crate::store::sqlite::SqliteStore;
 
 /// The compiled-code cache, under `data_dir`.
 const CODE_CACHE: &str = "code-cache";
-/// How often the retention sweep runs, and the most rows it removes per pass.
-const SWEEP_EVERY: Duration = Duration::from_secs(60);
-const SWEEP_LIMIT: u32 = 1000;
+/// The retention sweep removes at most [`SWEEP_LIMIT`] rows of each kind
+/// per pass (one write step: the other steps wait at most that long). A
+/// pass that found more due is followed by the next after [`SWEEP_AGAIN`],
+/// back to back, so that the sweep keeps up with any completion rate the
+/// writer can reach; a pass that found less waits [`SWEEP_IDLE`].
+const SWEEP_LIMIT: u32 = 2000;
+const SWEEP_AGAIN: Duration = Duration::from_millis(20);
+const SWEEP_IDLE: Duration = Duration::from_secs(15);
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn serve(config_path: &Path) -> anyhow::Result<()> {
@@ -600,7 +605,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
         ))
     });
 
-    wait_for_signal().await;
+    let halted = tokio::select! {
+        () = wait_for_signal() => None,
+        why = store_halted(&*store) => Some(why),
+    };
+    if let Some(why) = &halted {
+        tracing::error!(reason = %why, "the ledger stopped taking writes; the daemon exits so that it is restarted and recovery starts from what is durable");
+    }
     notify_systemd(&[sd_notify::NotifyState::Stopping]);
     if let Some(w) = watchdog {
         w.abort();
@@ -609,9 +620,15 @@ async fn run(config: Config) -> anyhow::Result<()> {
     shutdown.cancel();
     stop.drain.cancel();
     let mut dispatcher = dispatcher;
+    // A halted ledger finishes nothing: no grace.
+    let grace = if halted.is_some() {
+        Duration::ZERO
+    } else {
+        config.daemon.shutdown_grace
+    };
     tokio::select! {
         _ = &mut dispatcher => {}
-        () = tokio::time::sleep(config.daemon.shutdown_grace) => {
+        () = tokio::time::sleep(grace) => {
             tracing::warn!("grace is over: interrupting the attempts still running");
             stop.interrupt.cancel();
             let _ = dispatcher.await;
@@ -624,7 +641,20 @@ async fn run(config: Config) -> anyhow::Result<()> {
         shared.abort();
     }
     tracing::info!("stopped");
-    Ok(())
+    match halted {
+        Some(why) => Err(anyhow::anyhow!("the ledger stopped taking writes: {why}")),
+        None => Ok(()),
+    }
+}
+
+/// Returns once the store has halted ([`Store::halted`]), with why.
+async fn store_halted(store: &dyn Store) -> String {
+    loop {
+        if let Some(why) = store.halted() {
+            return why;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Prometheus histograms (not summaries), so that dashboards can aggregate
@@ -847,6 +877,46 @@ struct Running {
     schedules: Arc<Schedules>,
 }
 
+/// One retention pass; returns how long to wait before the next. Removed
+/// rows are counted in `khata_retention_swept_total{kind}` and logged at
+/// debug level (a busy daemon sweeps many times a second).
+async fn sweep(run: &Running) -> Duration {
+    let retention = &run.config.retention;
+    match run
+        .store
+        .sweep(Millis::now(), retention.jobs, retention.fences, SWEEP_LIMIT)
+        .await
+    {
+        Ok(s) => {
+            for (kind, n) in [
+                ("jobs", s.jobs),
+                ("fences", s.fences),
+                ("dedup_keys", s.dedup_keys),
+            ] {
+                if n > 0 {
+                    metrics::counter!("khata_retention_swept_total", "kind" => kind).increment(n);
+                }
+            }
+            if s.jobs + s.fences + s.dedup_keys > 0 {
+                tracing::debug!(
+                    jobs = s.jobs,
+                    fences = s.fences,
+                    dedup_keys = s.dedup_keys,
+                    "retention sweep"
+                );
+            }
+            let more = [s.jobs, s.fences, s.dedup_keys]
+                .iter()
+                .any(|&n| n >= u64::from(SWEEP_LIMIT));
+            if more { SWEEP_AGAIN } else { SWEEP_IDLE }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "retention sweep failed");
+            SWEEP_IDLE
+        }
+    }
+}
+
 /// The background chores: plugin changes, configuration reloads, retention,
 /// the progress line.
 async fn background(
@@ -856,7 +926,7 @@ async fn background(
     shutdown: CancellationToken,
 ) {
     let mut loader = Some(loader);
-    let mut sweep_tick = tokio::time::interval(SWEEP_EVERY);
+    let mut next_sweep = tokio::time::Instant::now();
     let mut progress_tick = tokio::time::interval(Duration::from_secs(5));
     let mut last_completed = 0;
     loop {
@@ -879,13 +949,8 @@ async fn background(
                     }
                 }
             }
-            _ = sweep_tick.tick() => {
-                let retention = &run.config.retention;
-                match run.store.sweep(Millis::now(), retention.jobs, retention.fences, SWEEP_LIMIT).await {
-                    Ok(s) if s.jobs + s.fences + s.dedup_keys > 0 => tracing::info!(jobs = s.jobs, fences = s.fences, dedup_keys = s.dedup_keys, "retention sweep"),
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "retention sweep failed"),
-                }
+            () = tokio::time::sleep_until(next_sweep) => {
+                next_sweep = tokio::time::Instant::now() + sweep(&run).await;
                 None
             }
             _ = progress_tick.tick() => {

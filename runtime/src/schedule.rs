@@ -15,6 +15,11 @@
 //!   before it existed. Fire times missed while the daemon was down (more than
 //!   one due at once) follow `catch_up`: `latest`, `all` (oldest first,
 //!   [`MAX_CATCH_UP`] per tick), or `none`.
+//! - A schedule never spins. A fire time whose id is already taken by a job
+//!   with another payload or queue (anyone may enqueue any id) is skipped
+//!   with one error line; the others are enqueued as usual. Any other failed
+//!   enqueue is retried after a backoff (1 s, doubling to [`MAX_BACKOFF`]),
+//!   and logged once per cause, not once per try.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,15 +31,27 @@ use croner::Cron;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, CatchUp, Config, parse_cron, parse_timezone};
-use crate::job::{Millis, NewJob, canonical_json};
+use crate::job::{Enqueued, Millis, NewJob, canonical_json};
 use crate::queue::Queues;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// Most missed fire times one schedule enqueues per tick under `catch_up = "all"`.
 pub const MAX_CATCH_UP: usize = 1_000;
 /// Longest sleep between looks at the clock, so that a clock step is noticed.
 const TICK: Duration = Duration::from_secs(1);
 const MARKS_FILE: &str = "schedules.json";
+/// The first and the longest wait before a failed enqueue is tried again.
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// A schedule whose last enqueue failed: when to try again, how long the
+/// next wait is, and the cause already logged.
+#[derive(Debug, Clone)]
+struct Failing {
+    retry_at: tokio::time::Instant,
+    next_wait: Duration,
+    cause: String,
+}
 
 /// A schedule ready to fire.
 pub struct Plan {
@@ -68,6 +85,8 @@ pub struct Schedules {
     /// Latest fire time enqueued, by schedule name.
     marks: Mutex<BTreeMap<String, Millis>>,
     errors: Mutex<BTreeMap<String, String>>,
+    /// Schedules backing off after a failed enqueue, by name.
+    failing: Mutex<BTreeMap<String, Failing>>,
 }
 
 impl std::fmt::Debug for Schedules {
@@ -139,6 +158,7 @@ impl Schedules {
             marks_path,
             marks: Mutex::new(marks),
             errors: Mutex::new(BTreeMap::new()),
+            failing: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -249,20 +269,113 @@ impl Schedules {
         }
     }
 
-    /// How long until the next fire time, at most [`TICK`].
+    /// How long until the next fire time, or the end of a backoff, at most
+    /// [`TICK`].
     fn sleep(&self, now: Millis) -> Duration {
         let marks = self.marks.lock().map(|m| m.clone()).unwrap_or_default();
+        let failing = self.failing.lock().map(|f| f.clone()).unwrap_or_default();
+        let clock = tokio::time::Instant::now();
         self.plans()
             .iter()
-            .filter_map(|p| p.next_after(marks.get(&p.config.name).copied().unwrap_or(now)))
-            .map(|next| Duration::from_millis(u64::try_from(next.0 - now.0).unwrap_or(0)))
+            .filter_map(|p| match failing.get(&p.config.name) {
+                Some(f) => Some(f.retry_at.saturating_duration_since(clock)),
+                None => p
+                    .next_after(marks.get(&p.config.name).copied().unwrap_or(now))
+                    .map(|next| Duration::from_millis(u64::try_from(next.0 - now.0).unwrap_or(0))),
+            })
             .min()
             .unwrap_or(TICK)
             .min(TICK)
     }
 
+    /// Whether `name` is waiting out a backoff.
+    fn backing_off(&self, name: &str) -> bool {
+        self.failing
+            .lock()
+            .ok()
+            .and_then(|f| {
+                f.get(name)
+                    .map(|f| f.retry_at > tokio::time::Instant::now())
+            })
+            .unwrap_or(false)
+    }
+
+    /// Records a failed enqueue: the next try waits, and the cause is
+    /// logged only when it differs from the last one.
+    fn failed(&self, name: &str, cause: String) {
+        let Ok(mut failing) = self.failing.lock() else {
+            return;
+        };
+        let wait = failing.get(name).map_or(FIRST_BACKOFF, |f| f.next_wait);
+        let new_cause = failing.get(name).is_none_or(|f| f.cause != cause);
+        if new_cause {
+            tracing::error!(schedule = %name, error = %cause, retry_in = %humantime::format_duration(wait), "schedule could not enqueue; trying again with backoff (logged again only if the error changes)");
+        } else {
+            tracing::debug!(schedule = %name, error = %cause, retry_in = %humantime::format_duration(wait), "schedule could still not enqueue");
+        }
+        failing.insert(
+            name.to_owned(),
+            Failing {
+                retry_at: tokio::time::Instant::now() + wait,
+                next_wait: (wait * 2).min(MAX_BACKOFF),
+                cause: cause.clone(),
+            },
+        );
+        drop(failing);
+        if let Ok(mut errors) = self.errors.lock() {
+            errors.insert(name.to_owned(), cause);
+        }
+    }
+
+    /// Records a successful enqueue: the backoff, if any, ends.
+    fn succeeded(&self, name: &str) {
+        let was_failing = self
+            .failing
+            .lock()
+            .ok()
+            .and_then(|mut f| f.remove(name))
+            .is_some();
+        if was_failing {
+            tracing::info!(schedule = %name, "schedule enqueues again");
+        }
+        if let Ok(mut errors) = self.errors.lock() {
+            errors.remove(name);
+        }
+    }
+
+    /// Enqueues `jobs`, skipping (with one error line each) those whose id
+    /// another job already holds; `Err` for any other failure.
+    async fn enqueue_skipping_taken(
+        &self,
+        name: &str,
+        mut jobs: Vec<NewJob>,
+        store: &dyn Store,
+        now: Millis,
+    ) -> Result<Vec<Enqueued>, StoreError> {
+        loop {
+            if jobs.is_empty() {
+                return Ok(Vec::new());
+            }
+            // Armed by the backoff test: the store refuses this enqueue.
+            #[cfg(feature = "failpoints")]
+            if let Some(cause) = fail::eval("schedule::enqueue", |a| a.unwrap_or_default()) {
+                return Err(StoreError::Unavailable(cause));
+            }
+            match store.enqueue(jobs.clone(), now).await {
+                Err(StoreError::IdReused { id, index }) if index < jobs.len() => {
+                    tracing::error!(schedule = %name, job = %id, "fire time skipped: its job id is already taken by a job with another payload or queue");
+                    jobs.remove(index);
+                }
+                other => return other,
+            }
+        }
+    }
+
     async fn fire_due(&self, plan: &Plan, store: &dyn Store, queues: &Queues, now: Millis) {
         let name = &plan.config.name;
+        if self.backing_off(name) {
+            return;
+        }
         let mark = self.marks.lock().ok().and_then(|m| m.get(name).copied());
         let Some(mark) = mark else {
             // First sight: fire from now on.
@@ -303,22 +416,17 @@ impl Schedules {
             })
             .collect();
         if !jobs.is_empty() {
-            match store.enqueue(jobs, now).await {
+            match self.enqueue_skipping_taken(name, jobs, store, now).await {
                 Ok(enqueued) => {
                     for e in &enqueued {
                         tracing::info!(schedule = %name, job = %e.job.id, deduplicated = e.deduplicated, "schedule fired");
                     }
-                    if let Ok(mut errors) = self.errors.lock() {
-                        errors.remove(name);
-                    }
+                    self.succeeded(name);
                     queues.wake(&plan.config.queue);
                 }
                 Err(e) => {
-                    // Left at the old mark: tried again on the next tick.
-                    tracing::error!(schedule = %name, error = %e, "schedule could not enqueue");
-                    if let Ok(mut errors) = self.errors.lock() {
-                        errors.insert(name.clone(), e.to_string());
-                    }
+                    // Left at the old mark: tried again after the backoff.
+                    self.failed(name, e.to_string());
                     return;
                 }
             }

@@ -421,6 +421,24 @@ pub fn payload(v: Value) -> Value {
 
 impl Daemon {
     /// Whether the daemon process is still running (not exited).
+    /// Waits up to `limit` for the daemon to exit by itself; its status.
+    pub async fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            let c = self.child.as_mut().expect("running");
+            if let Some(status) = c.try_wait().expect("try_wait") {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "khata did not exit within {limit:?}; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn running(&mut self) -> bool {
         self.child
             .as_mut()

@@ -22,6 +22,7 @@ pub mod postgres;
 pub mod sled;
 pub mod sqlite;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -527,5 +528,39 @@ pub trait Store: Send + Sync + 'static {
     /// dropped connection): the caller keeps a slow poll as well.
     fn wakeups(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<String>> {
         None
+    }
+
+    /// Why the store stopped taking writes for good, if it did: an embedded
+    /// ledger whose commit (or flush) failed cannot know what reached the
+    /// disk, refuses every later step, and says so here, so that the daemon
+    /// exits and recovery starts from what is durable ([`Halt`]).
+    fn halted(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Set once by an embedded ledger's writer when a commit fails; read by
+/// the daemon (which then exits non-zero) and by `/readyz` (503).
+///
+/// Invariant: once set it stays set, and the writer has run no step since.
+#[derive(Debug, Clone, Default)]
+pub struct Halt(Arc<std::sync::OnceLock<String>>);
+
+impl Halt {
+    /// Records why the writer stopped (the first reason is kept).
+    pub fn set(&self, why: String) {
+        let _ = self.0.set(why);
+    }
+
+    pub fn reason(&self) -> Option<String> {
+        self.0.get().cloned()
+    }
+
+    /// The error a step gets from a stopped writer.
+    pub fn error(&self) -> StoreError {
+        StoreError::Unavailable(match self.0.get() {
+            Some(why) => format!("the ledger stopped taking writes after: {why}"),
+            None => "the ledger writer has stopped".to_owned(),
+        })
     }
 }

@@ -90,8 +90,8 @@ use sled::Transactional;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, RESOLVED_BY_OPERATOR,
-    Resolution, Store, StoreError, Swept, UpsertOutcome,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage,
+    RESOLVED_BY_OPERATOR, Resolution, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -632,7 +632,7 @@ struct Writer {
     /// Blob files already synced.
     synced_blobs: HashSet<OsString>,
     /// Set once a flush or sync failed: every later step is refused.
-    broken: Option<String>,
+    halt: Halt,
 }
 
 impl Writer {
@@ -642,8 +642,8 @@ impl Writer {
         &mut self,
         f: impl FnOnce(&mut Tx) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        if let Some(why) = &self.broken {
-            return Err(unavailable(format!("the sled ledger stopped after: {why}")));
+        if self.halt.reason().is_some() {
+            return Err(self.halt.error());
         }
         let mut tx = Tx {
             trees: Arc::clone(&self.trees),
@@ -677,8 +677,8 @@ impl Writer {
     /// Makes every applied step durable: flush, then fdatasync of the blobs
     /// and of the data file. Durable against power loss when it returns Ok.
     fn persist(&mut self) -> Result<(), StoreError> {
-        if let Some(why) = &self.broken {
-            return Err(unavailable(format!("the sled ledger stopped after: {why}")));
+        if self.halt.reason().is_some() {
+            return Err(self.halt.error());
         }
         let done = self
             .trees
@@ -693,7 +693,7 @@ impl Writer {
             });
         if let Err(e) = &done {
             tracing::error!(error = %e, "the sled ledger could not be made durable; it refuses every step from now on");
-            self.broken = Some(e.to_string());
+            self.halt.set(format!("a flush or sync failed: {e}"));
         }
         done
     }
@@ -778,6 +778,8 @@ fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
 pub struct SledStore {
     /// `None` once dropping: closing the channel stops the writer.
     tx: Option<mpsc::UnboundedSender<Request>>,
+    /// The writer's: set when a flush or sync failed.
+    halt: Halt,
     writer: Option<std::thread::JoinHandle<()>>,
     trees: Arc<Trees>,
     path: PathBuf,
@@ -883,8 +885,9 @@ impl SledStore {
             data_file,
             blobs_dir: path.join("blobs"),
             synced_blobs: HashSet::new(),
-            broken: None,
+            halt: Halt::default(),
         };
+        let halt = writer.halt.clone();
         writer.persist()?;
         sync_dir(&path)?;
         sync_dir(dir)?;
@@ -895,6 +898,7 @@ impl SledStore {
             .map_err(unavailable)?;
         Ok(SledStore {
             tx: Some(tx),
+            halt,
             writer: Some(writer),
             trees,
             path,
@@ -1513,6 +1517,10 @@ fn ids_from(
 
 #[async_trait]
 impl Store for SledStore {
+    fn halted(&self) -> Option<String> {
+        self.halt.reason()
+    }
+
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
         self.write(true, move |tx| {
             jobs.into_iter()

@@ -5,8 +5,11 @@
 //! transaction (a failing step rolls back alone), answers the **applied**
 //! steps, commits once — with `synchronous = FULL` the commit fsyncs the WAL —
 //! and then answers the **durable** steps. A failed commit fails every
-//! durable step of the group; the applied ones were only visible to steps of
-//! the same group, which fail with it, so nothing outside learns of them.
+//! durable step of the group, and stops the writer for good ([`Halt`]):
+//! applied steps of that group (kv and index writes) were already answered
+//! to their attempts, so no later step may commit on top of their loss. The
+//! daemon sees the halt, exits non-zero, and recovery starts from what the
+//! disk holds.
 //!
 //! Readers use their own connections, which see committed state only.
 //!
@@ -23,8 +26,8 @@ use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, RESOLVED_BY_OPERATOR,
-    Resolution, Store, StoreError, Swept, UpsertOutcome,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage,
+    RESOLVED_BY_OPERATOR, Resolution, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -193,6 +196,7 @@ struct Writer {
 /// A SQLite ledger in one file.
 pub struct SqliteStore {
     tx: mpsc::UnboundedSender<Request>,
+    halt: Halt,
     readers: Arc<Mutex<Vec<Connection>>>,
     path: PathBuf,
     _lock: File,
@@ -296,12 +300,15 @@ impl SqliteStore {
             next_seq: max_seq.max(meta_seq) + 1,
         };
         let (tx, rx) = mpsc::unbounded_channel();
+        let halt = Halt::default();
+        let halting = halt.clone();
         std::thread::Builder::new()
             .name("khata-ledger".into())
-            .spawn(move || writer_loop(writer, rx))
+            .spawn(move || writer_loop(writer, rx, &halting))
             .map_err(unavailable)?;
         Ok(SqliteStore {
             tx,
+            halt,
             readers: Arc::new(Mutex::new(readers)),
             path,
             _lock: lock,
@@ -329,9 +336,8 @@ impl SqliteStore {
         });
         self.tx
             .send(Request { step, durable })
-            .map_err(|_| unavailable("the ledger writer has stopped"))?;
-        rx.await
-            .map_err(|_| unavailable("the ledger writer has stopped"))?
+            .map_err(|_| self.halt.error())?;
+        rx.await.map_err(|_| self.halt.error())?
     }
 
     /// Runs `f` on a reader connection on the blocking pool.
@@ -387,7 +393,10 @@ fn in_savepoint<T>(
     }
 }
 
-fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
+/// Runs groups until the channel closes or a group cannot be committed;
+/// then it sets `halt` and returns, and the requests still queued are
+/// dropped (their callers get the halt's error).
+fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>, halt: &Halt) {
     let mut group: Vec<Request> = Vec::with_capacity(MAX_GROUP);
     let mut durable_answers: Vec<Answer> = Vec::with_capacity(MAX_GROUP);
     while let Some(first) = rx.blocking_recv() {
@@ -398,14 +407,12 @@ fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
                 Err(_) => break,
             }
         }
-        let began = w.conn.execute_batch("BEGIN IMMEDIATE");
-        if let Err(e) = began {
-            let err = unavailable(e);
-            for r in group.drain(..) {
-                let answer = (r.step)(&mut w);
-                answer(Err(err.clone()));
-            }
-            continue;
+        if let Err(e) = w.conn.execute_batch("BEGIN IMMEDIATE") {
+            // No step of the group has run: dropping them answers each with
+            // the halt's error.
+            halt.set(format!("BEGIN failed: {e}"));
+            tracing::error!(error = %e, "the ledger could not begin a transaction; it takes no writes from now on");
+            return;
         }
         let (token_before, seq_before) = (w.next_token, w.next_seq);
         for r in group.drain(..) {
@@ -418,17 +425,37 @@ fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
         }
         let started = Instant::now();
         let committed = persist_counters(&w, token_before, seq_before)
+            .and_then(|()| injected_commit_failure())
             .and_then(|()| w.conn.execute_batch("COMMIT").map_err(StoreError::from));
         metrics::histogram!("khata_store_commit_seconds").record(started.elapsed().as_secs_f64());
         metrics::histogram!("khata_store_commit_steps").record(durable_answers.len() as f64);
         if let Err(e) = &committed {
-            tracing::error!(error = %e, "ledger commit failed");
+            tracing::error!(error = %e, "ledger commit failed; the ledger takes no writes from now on");
             let _ = w.conn.execute_batch("ROLLBACK");
+            halt.set(format!("a commit failed: {e}"));
         }
         for answer in durable_answers.drain(..) {
             answer(committed.clone());
         }
+        if committed.is_err() {
+            return;
+        }
     }
+}
+
+/// The crash tests' commit failure: with the `failpoints` feature and
+/// `FAILPOINTS="sqlite::commit=return(<path>)"`, every commit fails once a
+/// file exists at `<path>` (so a test decides when, after start-up).
+fn injected_commit_failure() -> Result<(), StoreError> {
+    #[cfg(feature = "failpoints")]
+    if let Some(path) = fail::eval("sqlite::commit", |a| a.unwrap_or_default())
+        && Path::new(&path).exists()
+    {
+        return Err(unavailable(format!(
+            "injected commit failure ({path} exists)"
+        )));
+    }
+    Ok(())
 }
 
 /// Writes the in-memory counters into the group's transaction, so that the
@@ -1138,6 +1165,10 @@ fn fence_resolve_step(
 
 #[async_trait]
 impl Store for SqliteStore {
+    fn halted(&self) -> Option<String> {
+        self.halt.reason()
+    }
+
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
         self.write(true, move |w| {
             jobs.into_iter()
