@@ -66,14 +66,63 @@ async fn bad_requests_are_refused_and_change_nothing() {
             r#"{"payload": {}, "id": "a\u0000b"}"#.into(),
             400,
             "invalid_request",
-            "id must not contain a NUL",
+            "id must not contain control characters",
         ),
         (
             "/v1/queues/echo/jobs",
             r#"{"payload": {}, "dedup_key": "\u0000"}"#.into(),
             400,
             "invalid_request",
-            "dedup_key must not contain a NUL",
+            "dedup_key must not contain control characters",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "id": "line\nbreak"}"#.into(),
+            400,
+            "invalid_request",
+            "id must not contain control characters",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "dedup_key": "\u001b[31mred"}"#.into(),
+            400,
+            "invalid_request",
+            "dedup_key must not contain control characters",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "delay": "8000years"}"#.into(),
+            400,
+            "invalid_request",
+            "delay: the job would be due after 9999-12-31T23:59:59.999Z",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "run_at": "10000-01-01T00:00:00Z"}"#.into(),
+            400,
+            "invalid_request",
+            "run_at",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "max_attempts": 4294967295}"#.into(),
+            400,
+            "invalid_request",
+            "max_attempts must be 1 to 1000",
+        ),
+        (
+            "/v1/queues/echo/jobs",
+            r#"{"payload": {}, "id": "schedule:nightly:2026-12-05T00:00:00Z"}"#.into(),
+            400,
+            "invalid_request",
+            "schedules' own",
+        ),
+        (
+            "/v1/queues/echo/jobs/batch",
+            r#"{"jobs": [{"payload": 1}, {"payload": 2, "delay": "8000years"}]}"#.into(),
+            400,
+            "invalid_request",
+            "jobs[1].delay",
         ),
         (
             "/v1/queues/nope/jobs",
@@ -120,7 +169,7 @@ async fn token_is_required_when_configured() {
     let mut d = Daemon::prepare_with(
         "[queues.echo]\nplugin = \"echo\"\n",
         &[("echo", "echo")],
-        "token = \"s3cret\"",
+        "token = \"s3cret-s3cret-s3cret\"",
     );
     d.start().await;
     let (status, _) = d
@@ -160,7 +209,16 @@ async fn token_is_required_when_configured() {
     assert_eq!(ready.status().as_u16(), 200, "readyz needs no token");
     let body: serde_json::Value = ready.json().await.unwrap();
     assert_eq!(body["status"], "ready", "the store answers: {body}");
-    assert_eq!(job_count(&d).await, 1, "refused requests enqueued nothing");
+    // The scheme's name is matched without regard to case (RFC 9110 11.1).
+    let lower = client
+        .post(&url)
+        .header("authorization", "bearer s3cret-s3cret-s3cret")
+        .json(&json!({"payload": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lower.status().as_u16(), 201, "`bearer` in lower case");
+    assert_eq!(job_count(&d).await, 2, "refused requests enqueued nothing");
 }
 
 #[test]

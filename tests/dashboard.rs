@@ -602,7 +602,7 @@ payload = {{ from = "schedule" }}
 
 #[tokio::test]
 async fn with_a_token_the_page_asks_for_it_and_then_works() {
-    let token = "dash-s3cret";
+    let token = "dash-s3cret-0123456789";
     let mut d = Daemon::prepare_with(
         "[queues.echo]\nplugin = \"echo\"\n",
         &[("echo", "echo")],

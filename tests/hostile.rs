@@ -228,10 +228,16 @@ async fn floods_and_oversized_results_are_bounded_and_cost_one_attempt() {
         );
         assert!(error.ends_with("more bytes dropped)"), "{error:.40}");
     }
-    // A kv key with a NUL is refused at the host, naming the rule.
-    let j = run(&d, json!({"do": "kv_get", "key": "a\0b"}), "dead").await;
-    let last = j["last_error"].as_str().unwrap();
-    assert!(last.contains("must not contain a NUL"), "{last}");
+    // A kv key with a NUL, a newline or ESC is refused at the host, naming
+    // the rule: keys reach logs and terminals.
+    for key in ["a\0b", "a\nb", "\u{1b}[31mred"] {
+        let j = run(&d, json!({"do": "kv_get", "key": key}), "dead").await;
+        let last = j["last_error"].as_str().unwrap();
+        assert!(
+            last.contains("must not contain control characters"),
+            "{key:?}: {last}"
+        );
+    }
 
     // A batch with one payload over max_payload (1 KiB): refused whole,
     // naming the job and the limit.
@@ -258,7 +264,8 @@ async fn floods_and_oversized_results_are_bounded_and_cost_one_attempt() {
         counts["completed"], 3,
         "only the floods completed: {counts}"
     );
-    assert_eq!(counts["dead"], 4, "{counts}");
+    // big result, memory, fail reason, and three refused kv keys.
+    assert_eq!(counts["dead"], 6, "{counts}");
     assert_eq!(counts["waiting"], 0, "the refused batch enqueued nothing");
 }
 

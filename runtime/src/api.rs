@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,13 +20,18 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
+use tower_http::catch_panic::CatchPanicLayer;
 
-use crate::job::{Attempt, Enqueued, Job, JobState, Millis, NewJob, canonical_json};
+use crate::job::{
+    Attempt, Enqueued, Job, JobState, MAX_ATTEMPTS, Millis, NewJob, SCHEDULE_ID_PREFIX, has_control,
+};
 use crate::queue::Queues;
 use crate::schedule::Schedules;
 use crate::store::{Fence, FenceId, FenceState, JobFilter, Resolution, Store, StoreError};
 
 pub mod dashboard;
+pub mod guard;
+pub mod serve;
 
 /// Most jobs in one batch enqueue.
 pub const MAX_BATCH: usize = 1000;
@@ -37,8 +42,40 @@ pub struct AppState {
     pub store: Arc<dyn Store>,
     pub queues: Arc<Queues>,
     pub schedules: Arc<Schedules>,
-    pub token: Option<Arc<str>>,
+    /// The SHA-256 of the API token: requests are compared by digest, so
+    /// the comparison's time tells nothing of the token's length or bytes.
+    pub token: Option<TokenDigest>,
+    pub allowed_hosts: guard::AllowedHosts,
+    /// The body limit of a batch enqueue (`[daemon] max_request`).
+    pub max_request: u64,
     pub metrics: Option<PrometheusHandle>,
+}
+
+/// The SHA-256 of an API token. Its `Debug` prints nothing of it.
+#[derive(Clone)]
+pub struct TokenDigest([u8; 32]);
+
+impl TokenDigest {
+    pub fn of(token: &str) -> TokenDigest {
+        use sha2::{Digest, Sha256};
+        TokenDigest(Sha256::digest(token.as_bytes()).into())
+    }
+
+    /// Whether `given` is the token: both digests are compared in full.
+    fn matches(&self, given: &str) -> bool {
+        let given = TokenDigest::of(given);
+        self.0
+            .iter()
+            .zip(given.0.iter())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+    }
+}
+
+impl std::fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenDigest(<redacted>)")
+    }
 }
 
 impl std::fmt::Debug for AppState {
@@ -107,15 +144,6 @@ type ApiResult<T> = Result<T, ApiError>;
 
 /// The router with every route, auth and limits.
 pub fn router(state: AppState) -> Router {
-    let body_limit = state
-        .queues
-        .list()
-        .iter()
-        .map(|q| q.config().max_payload)
-        .max()
-        .unwrap_or(1 << 20)
-        .saturating_mul(2)
-        .max(64 << 20);
     let api = Router::new();
     #[cfg(feature = "failpoints")]
     let api = api.route("/v1/test/clock", post(advance_clock));
@@ -138,10 +166,34 @@ pub fn router(state: AppState) -> Router {
         .merge(dashboard::routes())
         .merge(api)
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route") })
-        .layer(DefaultBodyLimit::max(
-            usize::try_from(body_limit).unwrap_or(usize::MAX),
+        // Each route that takes a body reads it with a limit of its own
+        // (`read_body`).
+        .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(
+            state.allowed_hosts.clone(),
+            guard::check,
         ))
+        .layer(CatchPanicLayer::custom(panicked))
         .with_state(state)
+}
+
+/// A route that panicked: a 500 with the JSON error body, a log line and a
+/// count (`khata_api_panics_total`), never a closed connection. Nothing
+/// was half-changed: the store answers a request whole or not at all.
+fn panicked(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let what = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("a panic without a message");
+    tracing::error!(panic = what, "an API route panicked; answered 500");
+    metrics::counter!("khata_api_panics_total").increment(1);
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "the daemon failed to answer this request; the error is in its log",
+    )
+    .into_response()
 }
 
 async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -150,9 +202,8 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes()));
-        if !ok {
+            .and_then(bearer);
+        if !given.is_some_and(|g| token.matches(g)) {
             let message = if given.is_some() {
                 "the bearer token is wrong"
             } else {
@@ -165,15 +216,23 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
     next.run(req).await
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The credentials of an `Authorization` value in the `Bearer` scheme,
+/// whose name is matched without regard to case (RFC 9110 11.1).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, credentials) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| credentials.trim_start())
 }
 
-/// The body of one enqueue.
-#[derive(Debug, Deserialize, Serialize, Clone)]
+/// The body of one enqueue. The payload is kept as the JSON text that was
+/// sent (`RawValue`): its size is checked without building a tree, and what
+/// the handler and every answer see is exactly that text (big numbers
+/// included).
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnqueueBody {
-    pub payload: Value,
+    pub payload: Box<RawValue>,
     #[serde(default)]
     pub id: Option<String>,
     #[serde(default)]
@@ -196,8 +255,51 @@ struct BatchBody {
     jobs: Vec<EnqueueBody>,
 }
 
-fn parse_body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
+fn parse_body<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> ApiResult<T> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("request body: {e}")))
+}
+
+/// What an enqueue's body may hold beside its payload (id, keys, times).
+pub const ENVELOPE: u64 = 64 << 10;
+/// The body limit of routes that take no payload.
+const SMALL_BODY: u64 = 64 << 10;
+
+/// Reads a request body of at most `limit` bytes. A `Content-Length` past
+/// the limit is refused before anything is read, and a body without one as
+/// soon as the read passes it: 413 `request_too_large`, naming `what`
+/// bounds it, with nothing buffered beyond the limit.
+async fn read_body(
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    limit: u64,
+    what: &str,
+) -> ApiResult<Bytes> {
+    let too_large = |size: Option<u64>| {
+        let size = size.map_or_else(|| "larger".to_owned(), |n| format!("{n} bytes"));
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!("the request body is {size}; at most {limit} bytes are taken here ({what})"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large(declared));
+    }
+    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+    axum::body::to_bytes(body, limit_usize).await.map_err(|e| {
+        // A length error is the only one `to_bytes` makes itself; any other
+        // is the connection's (a client that went away).
+        if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+        {
+            too_large(None)
+        } else {
+            ApiError::bad_request(format!("request body: {e}"))
+        }
+    })
 }
 
 fn parse_duration(field: &str, s: &str) -> ApiResult<Duration> {
@@ -214,7 +316,12 @@ struct AdvanceBody {
 
 /// Test builds only: moves the daemon's clock forward, e.g. past a backoff.
 #[cfg(feature = "failpoints")]
-async fn advance_clock(State(state): State<AppState>, body: Bytes) -> ApiResult<Json<Value>> {
+async fn advance_clock(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> ApiResult<Json<Value>> {
+    let body = read_body(&headers, body, SMALL_BODY, "a clock move").await?;
     let body: AdvanceBody = parse_body(&body)?;
     let by = parse_duration("advance", &body.advance)?;
     state.queues.advance_clock(by);
@@ -237,7 +344,7 @@ fn new_job(
         )
     })?;
     let cfg = q.config();
-    let payload = canonical_json(&body.payload);
+    let payload = String::from(Box::<str>::from(body.payload));
     if payload.len() as u64 > cfg.max_payload {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -254,16 +361,23 @@ fn new_job(
             Some(s) if s.is_empty() || s.len() > 512 => Err(ApiError::bad_request(format!(
                 "{field}{name} must be 1 to 512 bytes"
             ))),
-            // PostgreSQL's text cannot hold NUL; refusing it here keeps every
-            // backend's ledger able to take the same ids.
-            Some(s) if s.contains('\0') => Err(ApiError::bad_request(format!(
-                "{field}{name} must not contain a NUL character"
+            // Ids and keys reach logs and terminals, and PostgreSQL's text
+            // cannot hold NUL: every backend takes the same ids.
+            Some(s) if has_control(s) => Err(ApiError::bad_request(format!(
+                "{field}{name} must not contain control characters (such as NUL, newline or ESC)"
             ))),
             _ => Ok(()),
         }
     };
     check_name("id", &body.id)?;
     check_name("dedup_key", &body.dedup_key)?;
+    if let Some(id) = &body.id
+        && id.starts_with(SCHEDULE_ID_PREFIX)
+    {
+        return Err(ApiError::bad_request(format!(
+            "{field}id: ids starting with {SCHEDULE_ID_PREFIX:?} are the schedules' own"
+        )));
+    }
     let run_at = match (&body.delay, &body.run_at) {
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(format!(
@@ -276,6 +390,17 @@ fn new_job(
         })?,
         (None, None) => now,
     };
+    if run_at > Millis::LATEST {
+        let what = if body.delay.is_some() {
+            "delay"
+        } else {
+            "run_at"
+        };
+        return Err(ApiError::bad_request(format!(
+            "{field}{what}: the job would be due after {}, the latest time allowed",
+            Millis::LATEST.rfc3339()
+        )));
+    }
     let dedup_for = body
         .dedup_for
         .as_deref()
@@ -287,9 +412,9 @@ fn new_job(
         )));
     }
     let max_attempts = body.max_attempts.unwrap_or(cfg.max_attempts);
-    if max_attempts == 0 {
+    if !(1..=MAX_ATTEMPTS).contains(&max_attempts) {
         return Err(ApiError::bad_request(format!(
-            "{field}max_attempts must be at least 1"
+            "{field}max_attempts must be 1 to {MAX_ATTEMPTS}, got {max_attempts}"
         )));
     }
     Ok(NewJob {
@@ -331,11 +456,28 @@ fn record_enqueue(queue: &str, results: &[Enqueued]) {
     }
 }
 
+/// The queue named in a path, or 404 `unknown_queue`.
+fn known_queue(state: &AppState, queue: &str) -> ApiResult<Arc<crate::queue::QueueRuntime>> {
+    state.queues.get(queue).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_queue",
+            format!("no queue named {queue:?} in jobs.toml"),
+        )
+    })
+}
+
 async fn enqueue(
     State(state): State<AppState>,
     Path(queue): Path<String>,
-    body: Bytes,
+    headers: HeaderMap,
+    body: axum::body::Body,
 ) -> ApiResult<Response> {
+    let limit = known_queue(&state, &queue)?
+        .config()
+        .max_payload
+        .saturating_add(ENVELOPE);
+    let body = read_body(&headers, body, limit, "the queue's max_payload and 64 KiB").await?;
     let body: EnqueueBody = parse_body(&body)?;
     let now = state.queues.now();
     let job = new_job(&state, &queue, body, "", now)?;
@@ -354,8 +496,11 @@ async fn enqueue(
 async fn enqueue_batch(
     State(state): State<AppState>,
     Path(queue): Path<String>,
-    body: Bytes,
+    headers: HeaderMap,
+    body: axum::body::Body,
 ) -> ApiResult<Response> {
+    known_queue(&state, &queue)?;
+    let body = read_body(&headers, body, state.max_request, "[daemon] max_request").await?;
     let body: BatchBody = parse_body(&body)?;
     if body.jobs.is_empty() || body.jobs.len() > MAX_BATCH {
         return Err(ApiError::bad_request(format!(
@@ -406,13 +551,30 @@ fn attempt_json(a: &Attempt) -> Value {
     })
 }
 
-/// Stored JSON text as it is, without parsing it again; text that is not
-/// JSON (it cannot be, but the ledger is not trusted blindly) as a string.
-fn raw_json(s: &str) -> Box<RawValue> {
-    RawValue::from_string(s.to_owned()).unwrap_or_else(|_| {
-        let quoted = serde_json::to_string(s).unwrap_or_else(|_| "null".to_owned());
-        RawValue::from_string(quoted).unwrap_or_default()
-    })
+/// Stored JSON text as it is, borrowed, not copied or parsed into a tree
+/// (it is only scanned to check that it is JSON); text that is not JSON (it
+/// cannot be, but the ledger is not trusted blindly) as a string.
+enum StoredJson<'a> {
+    Json(&'a RawValue),
+    Text(&'a str),
+}
+
+impl<'a> StoredJson<'a> {
+    fn new(s: &'a str) -> StoredJson<'a> {
+        match serde_json::from_str::<&RawValue>(s) {
+            Ok(raw) => StoredJson::Json(raw),
+            Err(_) => StoredJson::Text(s),
+        }
+    }
+}
+
+impl Serialize for StoredJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            StoredJson::Json(raw) => raw.serialize(s),
+            StoredJson::Text(text) => text.serialize(s),
+        }
+    }
 }
 
 /// The job object of DESIGN 6.2.
@@ -421,7 +583,7 @@ pub struct JobView<'a> {
     id: &'a str,
     queue: &'a str,
     state: JobState,
-    payload: Box<RawValue>,
+    payload: StoredJson<'a>,
     priority: i32,
     attempt: u32,
     max_attempts: u32,
@@ -429,7 +591,7 @@ pub struct JobView<'a> {
     run_at: String,
     enqueued_at: String,
     finished_at: Option<String>,
-    result: Option<Box<RawValue>>,
+    result: Option<StoredJson<'a>>,
     last_error: Option<&'a str>,
     attempts: Vec<Value>,
     effects: Vec<Value>,
@@ -441,7 +603,7 @@ impl<'a> JobView<'a> {
             id: &j.id,
             queue: &j.queue,
             state: j.state,
-            payload: raw_json(&j.payload),
+            payload: StoredJson::new(&j.payload),
             priority: j.priority,
             attempt: j.attempt,
             max_attempts: j.max_attempts,
@@ -449,7 +611,7 @@ impl<'a> JobView<'a> {
             run_at: j.run_at.rfc3339(),
             enqueued_at: j.enqueued_at.rfc3339(),
             finished_at: j.finished_at.map(Millis::rfc3339),
-            result: j.result.as_deref().map(raw_json),
+            result: j.result.as_deref().map(StoredJson::new),
             last_error: j.last_error.as_deref(),
             attempts: j.attempts.iter().map(attempt_json).collect(),
             effects: Vec::new(),
@@ -487,6 +649,9 @@ async fn ready(State(state): State<AppState>) -> ApiResult<Json<Value>> {
 }
 
 async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    // Armed by the panic test: a panic in a route is a 500, not a closed
+    // connection.
+    fail::fail_point!("api::get_job");
     let job = state
         .store
         .job(&id, state.queues.now())
@@ -563,7 +728,12 @@ struct ResolveBody {
     outcome: String,
 }
 
-async fn resolve_fence(State(state): State<AppState>, body: Bytes) -> ApiResult<Json<Value>> {
+async fn resolve_fence(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> ApiResult<Json<Value>> {
+    let body = read_body(&headers, body, SMALL_BODY, "a fence resolution").await?;
     let body: ResolveBody = parse_body(&body)?;
     let resolution = match body.outcome.as_str() {
         "done" => Resolution::Done,
@@ -601,7 +771,7 @@ struct ListQuery {
 async fn list_jobs(
     State(state): State<AppState>,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     let Query(q) = query.map_err(|e| ApiError::bad_request(format!("query: {}", e.body_text())))?;
     let job_state = q
         .state
@@ -634,30 +804,44 @@ async fn list_jobs(
             state.queues.now(),
         )
         .await?;
-    Ok(Json(json!({
-        "jobs": page.jobs.iter().map(JobView::new).collect::<Vec<_>>(),
-        "next_cursor": page.next_cursor,
-    })))
+    // A typed answer: `json!` would parse every stored payload and result
+    // into a tree again.
+    #[derive(Serialize)]
+    struct Page<'a> {
+        jobs: Vec<JobView<'a>>,
+        next_cursor: Option<String>,
+    }
+    Ok(Json(Page {
+        jobs: page.jobs.iter().map(JobView::new).collect(),
+        next_cursor: page.next_cursor,
+    })
+    .into_response())
 }
 
-async fn retry_job(
-    State(state): State<AppState>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+/// `{"job": ...}`, typed for the same reason as the listing.
+#[derive(Serialize)]
+struct OneJob<'a> {
+    job: JobView<'a>,
+}
+
+async fn retry_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     let job = state.store.retry(&id, state.queues.now()).await?;
     state.queues.wake(&job.queue);
-    Ok(Json(json!({"job": JobView::new(&job)})))
+    Ok(Json(OneJob {
+        job: JobView::new(&job),
+    })
+    .into_response())
 }
 
-async fn cancel_job(
-    State(state): State<AppState>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+async fn cancel_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     let (job, was_active) = state.store.cancel(&id, state.queues.now()).await?;
     if was_active {
         state.queues.interrupt(&job.queue, &job.id).await;
     }
-    Ok(Json(json!({"job": JobView::new(&job)})))
+    Ok(Json(OneJob {
+        job: JobView::new(&job),
+    })
+    .into_response())
 }
 
 async fn list_queues(State(state): State<AppState>) -> ApiResult<Json<Value>> {

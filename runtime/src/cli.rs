@@ -1143,8 +1143,10 @@ impl Client {
 
     /// `POST /v1/jobs/{id}/retry`: `{job}`.
     pub async fn retry(&self, id: &str) -> Result<Value, ClientError> {
-        self.call(Method::POST, &["v1", "jobs", id, "retry"], |r| r)
-            .await
+        self.call(Method::POST, &["v1", "jobs", id, "retry"], |r| {
+            r.header(reqwest::header::CONTENT_TYPE, "application/json")
+        })
+        .await
     }
 
     /// `DELETE /v1/jobs/{id}`: `{job}`.

@@ -61,6 +61,9 @@ pub struct Config {
     pub store: StoreConfig,
 }
 
+/// The shortest API token accepted: 16 bytes (128 bits when random).
+pub const MIN_TOKEN: usize = 16;
+
 /// `[daemon]`.
 #[derive(Clone, PartialEq)]
 pub struct Daemon {
@@ -70,8 +73,20 @@ pub struct Daemon {
     pub plugins_dir: PathBuf,
     /// The HTTP API's address. Default `127.0.0.1:7373`.
     pub listen: SocketAddr,
-    /// The API token, from `token` or read from `token_file` (trimmed).
+    /// The API token, from `token` or read from `token_file` (trimmed); at
+    /// least [`MIN_TOKEN`] bytes.
     pub token: Option<String>,
+    /// Host names, beside IP addresses and `localhost`, that requests may
+    /// give as `Host` (lower-cased). Default none.
+    pub allowed_hosts: Vec<String>,
+    /// The API's bounds: a request header (and an idle keep-alive
+    /// connection) within `header_timeout` (default 10s), a request within
+    /// `request_timeout` (30s), at most `max_connections` open (1024).
+    pub header_timeout: Duration,
+    pub request_timeout: Duration,
+    pub max_connections: u32,
+    /// The largest body of a batch enqueue. Default 16 MiB.
+    pub max_request: u64,
     /// How long attempts in flight may run on after SIGTERM. Default 30s.
     pub shutdown_grace: Duration,
 }
@@ -83,6 +98,11 @@ impl fmt::Debug for Daemon {
             .field("plugins_dir", &self.plugins_dir)
             .field("listen", &self.listen)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("allowed_hosts", &self.allowed_hosts)
+            .field("header_timeout", &self.header_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("max_connections", &self.max_connections)
+            .field("max_request", &self.max_request)
             .field("shutdown_grace", &self.shutdown_grace)
             .finish()
     }
@@ -95,6 +115,11 @@ impl Default for Daemon {
             plugins_dir: PathBuf::from("plugins"),
             listen: SocketAddr::from(([127, 0, 0, 1], 7373)),
             token: None,
+            allowed_hosts: Vec::new(),
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            max_request: 16 << 20,
             shutdown_grace: Duration::from_secs(30),
         }
     }
@@ -631,6 +656,11 @@ struct RawDaemon {
     listen: Opt<String>,
     token: Opt<String>,
     token_file: Opt<String>,
+    allowed_hosts: Opt<Vec<String>>,
+    header_timeout: Opt<String>,
+    request_timeout: Opt<String>,
+    max_connections: Opt<RawInt>,
+    max_request: Opt<RawSize>,
     shutdown_grace: Opt<String>,
 }
 
@@ -1136,6 +1166,47 @@ impl<'a> Checker<'a> {
                 ),
             }
         }
+        if let Some(t) = &token
+            && t.len() < MIN_TOKEN
+        {
+            let (key, span) = match &raw.token {
+                Some(inline) => ("daemon.token", Some(inline.span())),
+                None => (
+                    "daemon.token_file",
+                    raw.token_file.as_ref().map(Spanned::span),
+                ),
+            };
+            self.issue(
+                key,
+                span,
+                format!(
+                    "the token is {} bytes; a token must be at least {MIN_TOKEN} bytes (make one with `head -c 32 /dev/urandom | base64`)",
+                    t.len()
+                ),
+            );
+            token = None;
+        }
+        let mut allowed_hosts = Vec::new();
+        if let Some(names) = &raw.allowed_hosts {
+            for name in names.get_ref() {
+                let ok = !name.is_empty()
+                    && name.len() <= 253
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+                if ok {
+                    allowed_hosts.push(name.to_ascii_lowercase());
+                } else {
+                    self.issue(
+                        "daemon.allowed_hosts",
+                        Some(names.span()),
+                        format!(
+                            "{name:?} is not a host name (letters, digits, '-' and '.', no port)"
+                        ),
+                    );
+                }
+            }
+        }
         if !token_given && !listen.ip().is_loopback() {
             let span = raw.listen.as_ref().map(Spanned::span);
             self.issue(
@@ -1151,11 +1222,33 @@ impl<'a> Checker<'a> {
         let shutdown_grace = self
             .duration("daemon.shutdown_grace", raw.shutdown_grace.as_ref(), false)
             .unwrap_or(defaults.shutdown_grace);
+        let header_timeout = self
+            .duration("daemon.header_timeout", raw.header_timeout.as_ref(), true)
+            .unwrap_or(defaults.header_timeout);
+        let request_timeout = self
+            .duration("daemon.request_timeout", raw.request_timeout.as_ref(), true)
+            .unwrap_or(defaults.request_timeout);
+        let max_connections = self
+            .int(
+                "daemon.max_connections",
+                raw.max_connections.as_ref(),
+                1,
+                1_000_000,
+            )
+            .map_or(defaults.max_connections, |n| n as u32);
+        let max_request = self
+            .size("daemon.max_request", raw.max_request.as_ref(), 1 << 10)
+            .unwrap_or(defaults.max_request);
         Daemon {
             data_dir,
             plugins_dir,
             listen,
             token,
+            allowed_hosts,
+            header_timeout,
+            request_timeout,
+            max_connections,
+            max_request,
             shutdown_grace,
         }
     }
@@ -1190,7 +1283,7 @@ impl<'a> Checker<'a> {
                 &key("max_attempts"),
                 raw.max_attempts.as_ref(),
                 1,
-                i64::from(u32::MAX),
+                i64::from(crate::job::MAX_ATTEMPTS),
             )
             .map_or(base.max_attempts, |v| v as u32);
         let backoff = match &raw.backoff {
@@ -2508,7 +2601,11 @@ heartbeat = "10s"
     fn relative_paths_resolve_against_the_config_directory() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("secrets")).unwrap();
-        std::fs::write(dir.path().join("secrets/token"), "  s3cret \n").unwrap();
+        std::fs::write(
+            dir.path().join("secrets/token"),
+            "  s3cret-s3cret-s3cret \n",
+        )
+        .unwrap();
         std::fs::write(dir.path().join("secrets/db"), "postgres://x\n").unwrap();
         let text = r#"
 [daemon]
@@ -2525,7 +2622,7 @@ url = { file = "./secrets/db" }
         let config = Config::load(&path).unwrap();
         assert_eq!(config.daemon.data_dir, dir.path().join("state"));
         assert_eq!(config.daemon.plugins_dir, Path::new("/opt/khata/plugins"));
-        assert_eq!(config.daemon.token.as_deref(), Some("s3cret"));
+        assert_eq!(config.daemon.token.as_deref(), Some("s3cret-s3cret-s3cret"));
         let url = config.store.url.clone().unwrap();
         assert_eq!(
             url,
@@ -2560,14 +2657,34 @@ url = { file = "./secrets/db" }
     }
 
     #[test]
+    fn a_short_token_and_a_bad_host_name_are_named() {
+        let e = &errors("[daemon]\ntoken = \"s3cret\"\n")[0];
+        assert_eq!(e.key, "daemon.token");
+        assert_eq!((e.line, e.column), (Some(2), Some(9)));
+        assert!(
+            e.message.contains("6 bytes") && e.message.contains("16"),
+            "{}",
+            e.message
+        );
+
+        let e = &errors("[daemon]\nallowed_hosts = [\"jobs.internal\", \"x:80\"]\n")[0];
+        assert_eq!(e.key, "daemon.allowed_hosts");
+        assert_eq!((e.line, e.column), (Some(2), Some(17)));
+        assert!(e.message.contains("\"x:80\""), "{}", e.message);
+        let config = parse("[daemon]\nallowed_hosts = [\"Jobs.Internal\"]\n").unwrap();
+        assert_eq!(config.daemon.allowed_hosts, ["jobs.internal"]);
+    }
+
+    #[test]
     fn non_loopback_listen_needs_a_token() {
         let e = &errors("[daemon]\nlisten = \"0.0.0.0:7373\"\n")[0];
         assert_eq!(e.key, "daemon.listen");
         assert_eq!((e.line, e.column), (Some(2), Some(10)));
         assert!(e.message.contains("token"), "{}", e.message);
 
-        let config = parse("[daemon]\nlisten = \"0.0.0.0:7373\"\ntoken = \"t\"\n").unwrap();
-        assert_eq!(config.daemon.token.as_deref(), Some("t"));
+        let config =
+            parse("[daemon]\nlisten = \"0.0.0.0:7373\"\ntoken = \"0123456789abcdef\"\n").unwrap();
+        assert_eq!(config.daemon.token.as_deref(), Some("0123456789abcdef"));
         assert_eq!(config.daemon.listen.port(), 7373);
         parse("[daemon]\nlisten = \"[::1]:8080\"\n").unwrap();
 

@@ -544,7 +544,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
         store: Arc::clone(&store),
         queues: Arc::clone(&queues),
         schedules: Arc::clone(&schedules),
-        token: config.daemon.token.as_deref().map(Arc::from),
+        token: config.daemon.token.as_deref().map(api::TokenDigest::of),
+        allowed_hosts: api::guard::AllowedHosts::new(&config.daemon.allowed_hosts),
+        max_request: config.daemon.max_request,
         metrics,
     };
     // Before anything can send it: SIGHUP's default action ends the process.
@@ -575,10 +577,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
         shutdown.clone(),
     ));
     let api_shutdown = shutdown.clone();
+    let server_limits = api::serve::Limits {
+        header_timeout: config.daemon.header_timeout,
+        request_timeout: config.daemon.request_timeout,
+        max_connections: config.daemon.max_connections,
+    };
     let server = tokio::spawn(async move {
-        axum::serve(listener, api::router(state))
-            .with_graceful_shutdown(async move { api_shutdown.cancelled().await })
-            .await
+        api::serve::serve(listener, api::router(state), server_limits, api_shutdown).await
     });
     let background = tokio::spawn(background(
         Running {

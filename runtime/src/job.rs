@@ -22,6 +22,20 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+/// The most attempts a job may be given (`max_attempts`, in jobs.toml and
+/// on enqueue).
+pub const MAX_ATTEMPTS: u32 = 1000;
+
+/// The prefix of the ids schedules give the jobs they enqueue
+/// (`schedule:<name>:<time>`); the API refuses it in a caller's id.
+pub const SCHEDULE_ID_PREFIX: &str = "schedule:";
+
+/// Whether `s` holds a control character (C0, DEL or C1), which ids and
+/// keys refuse: they reach logs and terminals.
+pub fn has_control(s: &str) -> bool {
+    s.chars().any(char::is_control)
+}
+
 /// Milliseconds since the Unix epoch: the store's one unit of time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -31,6 +45,10 @@ impl Millis {
     pub fn now() -> Millis {
         Millis::from(SystemTime::now())
     }
+
+    /// The latest time a job may be due: 9999-12-31T23:59:59.999Z, the
+    /// last an RFC 3339 time can say.
+    pub const LATEST: Millis = Millis(253_402_300_799_999);
 
     pub fn plus(self, d: Duration) -> Millis {
         Millis(
@@ -51,8 +69,12 @@ impl Millis {
     }
 
     /// RFC 3339 with millisecond precision, in UTC.
+    /// The time as RFC 3339. Cannot fail: a time before 1970 or past
+    /// [`Millis::LATEST`] (which no API or configuration lets in) is shown
+    /// as that bound.
     pub fn rfc3339(self) -> String {
-        humantime::format_rfc3339_millis(self.to_system_time()).to_string()
+        let shown = Millis(self.0.clamp(0, Millis::LATEST.0));
+        humantime::format_rfc3339_millis(shown.to_system_time()).to_string()
     }
 
     pub fn parse_rfc3339(s: &str) -> Option<Millis> {
@@ -350,6 +372,20 @@ impl StateCounts {
 }
 
 /// Canonical JSON text of a value: object keys sorted, no whitespace.
+/// Whether two stored payloads are the same JSON: the same text, or texts
+/// that parse to equal values (another key order or spacing). An enqueue
+/// whose id is taken deduplicates only onto the same payload.
+pub fn same_payload(a: &str, b: &str) -> bool {
+    a == b
+        || match (
+            serde_json::from_str::<serde_json::Value>(a),
+            serde_json::from_str::<serde_json::Value>(b),
+        ) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        }
+}
+
 pub fn canonical_json(v: &serde_json::Value) -> String {
     // serde_json's map is ordered by key unless `preserve_order` is enabled,
     // which this crate does not enable.

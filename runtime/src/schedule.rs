@@ -139,7 +139,8 @@ impl Plan {
 
     fn job_id(&self, fire: Millis) -> String {
         format!(
-            "schedule:{}:{}",
+            "{}{}:{}",
+            crate::job::SCHEDULE_ID_PREFIX,
             self.config.name,
             utc(fire).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
         )

@@ -103,6 +103,17 @@ impl Daemon {
         d
     }
 
+    /// Like `start_new`, with extra `[daemon]` lines.
+    pub async fn start_new_with(
+        queues_toml: &str,
+        plugins: &[(&str, &str)],
+        daemon_extra: &str,
+    ) -> Daemon {
+        let mut d = Self::prepare_with(queues_toml, plugins, daemon_extra);
+        d.start().await;
+        d
+    }
+
     /// Sets an environment variable of the daemon process.
     pub fn env(&mut self, key: &str, value: &str) {
         self.envs.push((key.to_owned(), value.to_owned()));
@@ -233,9 +244,15 @@ impl Daemon {
     /// Sends a request; returns the status and the JSON body.
     pub async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let post = method == reqwest::Method::POST;
         let mut r = self.req(method, path);
-        if let Some(b) = body {
-            r = r.json(&b);
+        match body {
+            Some(b) => r = r.json(&b),
+            // The API takes changes only as JSON (api/guard.rs).
+            None if post => {
+                r = r.header("content-type", "application/json");
+            }
+            None => {}
         }
         let resp = r.send().await.expect("request");
         let status = resp.status().as_u16();

@@ -324,7 +324,7 @@ async function act(call, done) {
 }
 
 function retry(id) {
-  return act(() => api('POST', `v1/jobs/${encodeURIComponent(id)}/retry`), `Job ${id} is back in waiting.`);
+  return act(() => api('POST', `v1/jobs/${encodeURIComponent(id)}/retry`, {}), `Job ${id} is back in waiting.`);
 }
 
 function resolve(f, outcome) {

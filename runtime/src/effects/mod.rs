@@ -142,9 +142,9 @@ fn check_key(what: &str, key: &str) -> Result<(), EffectError> {
             key.len()
         )));
     }
-    if key.contains('\0') {
+    if crate::job::has_control(key) {
         return Err(EffectError::Invalid(format!(
-            "{what} must not contain a NUL character"
+            "{what} must not contain control characters (such as NUL, newline or ESC)"
         )));
     }
     Ok(())

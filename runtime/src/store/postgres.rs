@@ -1189,7 +1189,8 @@ async fn enqueue_one<C: GenericClient>(
     if let Some(id) = &job.id
         && let Some(existing) = load_job(c, id, now).await?
     {
-        if existing.payload == job.payload && existing.queue == job.queue {
+        if crate::job::same_payload(&existing.payload, &job.payload) && existing.queue == job.queue
+        {
             return Ok(Enqueued {
                 job: existing,
                 deduplicated: true,
@@ -1346,7 +1347,7 @@ async fn enqueue_batch<C: GenericClient>(
                     "job {id:?} vanished during its enqueue"
                 )));
             };
-            if found.payload == job.payload && found.queue == job.queue {
+            if crate::job::same_payload(&found.payload, &job.payload) && found.queue == job.queue {
                 out.push(Enqueued {
                     job: found,
                     deduplicated: true,

@@ -985,7 +985,8 @@ fn enqueue_one(
     if let Some(id) = &job.id
         && let Some(existing) = tx.job(id)?
     {
-        if existing.payload == job.payload && existing.queue == job.queue {
+        if crate::job::same_payload(&existing.payload, &job.payload) && existing.queue == job.queue
+        {
             return Ok(Enqueued {
                 job: existing.to_job(now),
                 deduplicated: true,

@@ -585,7 +585,8 @@ fn enqueue_one(
     if let Some(id) = &job.id
         && let Some(existing) = load_job(conn, id, now)?
     {
-        if existing.payload == job.payload && existing.queue == job.queue {
+        if crate::job::same_payload(&existing.payload, &job.payload) && existing.queue == job.queue
+        {
             return Ok(Enqueued {
                 job: existing,
                 deduplicated: true,
