@@ -1064,3 +1064,66 @@ async fn welcome_emails_through_three_kill_nine_at_most_one_per_user() {
         uncertain.len()
     );
 }
+
+/// What a guest can abuse through email (issue 19): a From that `[email]`
+/// does not allow is refused (`denied`), so are more than 50 recipients and
+/// a subject past 998 bytes (`invalid`); a guest that keeps calling with a
+/// refused message gets 32 refusals recorded on its attempt and one record
+/// saying the rest were not, and a refused key is recorded cut to 1 KiB.
+#[tokio::test]
+async fn email_senders_recipients_and_refusals_are_bounded() {
+    let d = Daemon::start_new(
+        "[queues.stale]\nplugin = \"stale\"\nmax_attempts = 1\n\
+         grants = { kv = true, index = [\"docs\"], email = true, http = [\"payments\"] }\n\
+         [email]\ntransport = \"outbox\"\nfrom = \"hello@example.com\"\nsenders = [\"Reports@Example.com\"]\n\
+         [http.payments]\nbase_url = \"http://127.0.0.1:9\"\n",
+        &[("stale", "stale")],
+    )
+    .await;
+    d.wait_plugin("stale").await;
+    let send = async |mail: serde_json::Value| {
+        let mut body = mail;
+        body["do"] = json!("mail");
+        let id = d.enqueue("stale", payload(body)).await;
+        d.wait_state(&id, "completed", 30).await
+    };
+    let to = json!(["ada@example.com"]);
+    for (from, ok) in [
+        ("hello@example.com", true),
+        ("Reports <reports@example.com>", true),
+        ("ceo@example.com", false),
+    ] {
+        let j =
+            send(json!({"key": format!("from-{from}"), "to": to, "subject": "s", "from": from}))
+                .await;
+        let expected = if ok { json!([]) } else { json!(["denied"]) };
+        assert_eq!(j["result"]["errors"], expected, "{from}: {j}");
+    }
+    let many: Vec<String> = (0..51).map(|i| format!("u{i}@example.com")).collect();
+    let j = send(json!({"key": "many", "to": many, "subject": "s"})).await;
+    assert_eq!(j["result"]["errors"], json!(["invalid"]), "{j}");
+    let j = send(json!({"key": "long", "to": to, "subject": "x".repeat(999)})).await;
+    assert_eq!(j["result"]["errors"], json!(["invalid"]), "{j}");
+
+    // 200 refused calls: 32 recorded, then one record of the rest.
+    let j = send(
+        json!({"key": "flood", "to": to, "subject": "s", "from": "ceo@example.com", "times": 200}),
+    )
+    .await;
+    assert_eq!(j["result"]["errors"].as_array().unwrap().len(), 200, "{j}");
+    let effects = j["effects"].as_array().unwrap();
+    assert_eq!(effects.len(), 33, "{j}");
+    assert!(
+        effects[..32]
+            .iter()
+            .all(|e| e["outcome"] == "refused:denied"),
+        "{j}"
+    );
+    assert_eq!(effects[32]["kind"], "refusals", "{j}");
+    assert_eq!(effects[32]["outcome"], "not-recorded", "{j}");
+
+    // A refused key of 5,000 bytes is recorded cut to 1,024.
+    let j = send(json!({"key": "k".repeat(5000), "to": to, "subject": "s"})).await;
+    assert_eq!(j["result"]["errors"], json!(["invalid"]), "{j}");
+    assert_eq!(j["effects"][0]["key"].as_str().unwrap().len(), 1024, "{j}");
+}

@@ -263,6 +263,9 @@ pub struct RateLimit {
 pub struct Email {
     pub transport: EmailTransport,
     pub from: String,
+    /// Addresses a handler may send as (its message's `from`), beside
+    /// `from`; lower-cased. Default none: a handler sends as `from` only.
+    pub senders: Vec<String>,
     pub host: String,
     pub port: u16,
     pub tls: SmtpTls,
@@ -276,6 +279,7 @@ impl Default for Email {
         Email {
             transport: EmailTransport::Outbox,
             from: "khata@localhost".to_owned(),
+            senders: Vec::new(),
             host: "127.0.0.1".to_owned(),
             port: 25,
             tls: SmtpTls::None,
@@ -761,6 +765,7 @@ struct RawGrants {
 struct RawEmail {
     transport: Opt<String>,
     from: Opt<String>,
+    senders: Opt<Vec<String>>,
     host: Opt<String>,
     port: Opt<RawInt>,
     tls: Opt<String>,
@@ -1488,6 +1493,25 @@ impl<'a> Checker<'a> {
             }
             None => defaults.from,
         };
+        let mut senders = Vec::new();
+        if let Some(list) = &raw.senders {
+            for address in list.get_ref() {
+                let a = address.trim();
+                if !a.contains('@')
+                    || a.starts_with('@')
+                    || a.ends_with('@')
+                    || a.contains(['<', '>', ' '])
+                {
+                    self.issue(
+                        "email.senders",
+                        Some(list.span()),
+                        format!("{address:?} is not an email address (give the bare address, as \"reports@example.com\")"),
+                    );
+                } else {
+                    senders.push(a.to_ascii_lowercase());
+                }
+            }
+        }
         let host = match &raw.host {
             Some(host) if host.get_ref().trim().is_empty() => {
                 self.issue("email.host", Some(host.span()), "the host is empty");
@@ -1529,6 +1553,7 @@ impl<'a> Checker<'a> {
         Email {
             transport,
             from,
+            senders,
             host,
             port,
             tls,

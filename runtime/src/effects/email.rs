@@ -323,6 +323,9 @@ fn prepare(mail: &Mail, message_id: &str, default_from: &str) -> Result<Prepared
 pub struct Mailer {
     /// The From used when a message names none.
     from: String,
+    /// The addresses a message may name as its From: `from` and `[email]
+    /// senders`, lower-cased.
+    senders: Vec<String>,
     transport: Transport,
 }
 
@@ -354,6 +357,15 @@ impl fmt::Debug for Mailer {
                 .field("timeout", &smtp.timeout)
                 .finish(),
         }
+    }
+}
+
+/// The address of a mailbox: what is between `<` and `>` when there are
+/// both, else the whole text, trimmed.
+fn address_of(mailbox: &str) -> &str {
+    match (mailbox.rfind('<'), mailbox.rfind('>')) {
+        (Some(open), Some(close)) if open < close => mailbox[open + 1..close].trim(),
+        _ => mailbox.trim(),
     }
 }
 
@@ -420,10 +432,20 @@ impl Mailer {
                 }))
             }
         };
+        let mut senders = cfg.senders.clone();
+        senders.push(address_of(&cfg.from).to_ascii_lowercase());
         Ok(Mailer {
             from: cfg.from.clone(),
+            senders,
             transport,
         })
+    }
+
+    /// Whether a message may be sent as `from` (`[email] from` or one of
+    /// `senders`; a display name around the address is allowed).
+    pub fn allows_sender(&self, from: &str) -> bool {
+        let address = address_of(from).to_ascii_lowercase();
+        self.senders.contains(&address)
     }
 
     /// Whether repeating a send with the same message id is harmless.

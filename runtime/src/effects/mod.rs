@@ -33,6 +33,12 @@ use recorded::{Point, Recorder, Step};
 
 /// Largest kv key or index id, in bytes.
 pub const MAX_KEY: usize = 1024;
+/// Refused effect calls recorded per attempt (see `Effects::refused`).
+pub const MAX_REFUSALS_RECORDED: u32 = 32;
+/// Recipients (to and cc) of one email.
+pub const MAX_RECIPIENTS: usize = 50;
+/// Bytes of an email's subject.
+pub const MAX_SUBJECT: usize = 998;
 /// Largest kv value or index document, in bytes.
 pub const MAX_VALUE: usize = 1 << 20;
 
@@ -121,6 +127,8 @@ pub struct Effects {
     lease: LeaseRef,
     attempt: u32,
     dead: DeadLetter,
+    /// Refused effect calls of this attempt so far.
+    refusals: std::sync::atomic::AtomicU32,
     /// Set only by [`Effects::recorded`] (`khata verify`): external effects
     /// go to it instead of the providers.
     recorder: Option<Arc<dyn Recorder>>,
@@ -171,6 +179,7 @@ impl Effects {
             lease,
             attempt,
             dead: DeadLetter::default(),
+            refusals: std::sync::atomic::AtomicU32::new(0),
             recorder: None,
         }
     }
@@ -267,10 +276,33 @@ impl Effects {
         }
     }
 
-    /// Records a refusal and hands the error back.
+    /// Records a refusal and hands the error back. At most
+    /// [`MAX_REFUSALS_RECORDED`] refusals of one attempt are recorded, each
+    /// key cut to [`MAX_KEY`] bytes: a guest that calls in a loop with a bad
+    /// key cannot fill the ledger. The one after them records how many are
+    /// not (`refusals` / `not-recorded`); every refusal is counted in
+    /// `khata_effects_total`.
     async fn refused(&self, kind: &str, key: &str, e: EffectError) -> EffectError {
-        self.record(kind, key, &format!("refused:{}", e.reason()))
-            .await;
+        let n = self
+            .refusals
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let outcome = format!("refused:{}", e.reason());
+        if n <= MAX_REFUSALS_RECORDED {
+            let cut = &key[..key.floor_char_boundary(MAX_KEY)];
+            self.record(kind, cut, &outcome).await;
+        } else {
+            metrics::counter!("khata_effects_total", "kind" => kind.to_owned(), "outcome" => outcome)
+                .increment(1);
+            if n == MAX_REFUSALS_RECORDED + 1 {
+                self.record(
+                    "refusals",
+                    &format!("past-{MAX_REFUSALS_RECORDED}"),
+                    "not-recorded",
+                )
+                .await;
+            }
+        }
         e
     }
 
@@ -422,7 +454,7 @@ impl Effects {
     /// Sends one email through the configured transport, once per key.
     /// Returns the Message-ID and whether the send was replayed.
     pub async fn email_send(&self, key: &str, mail: Mail) -> Result<(String, bool), EffectError> {
-        let mailer = match self.email_checks(key) {
+        let mailer = match self.email_checks(key, &mail) {
             Ok(m) => m,
             Err(e) => return Err(self.refused("email", key, e).await),
         };
@@ -452,7 +484,7 @@ impl Effects {
     }
 
     /// The mailer to send through; `None` when a recorder takes the message.
-    fn email_checks(&self, key: &str) -> Result<Option<&Mailer>, EffectError> {
+    fn email_checks(&self, key: &str, mail: &Mail) -> Result<Option<&Mailer>, EffectError> {
         if !self.grants.email && !self.grants_everything() {
             return Err(EffectError::Denied(format!(
                 "queue {:?} is not granted email (grants = {{ email = true }})",
@@ -460,12 +492,32 @@ impl Effects {
             )));
         }
         check_key("an email key", key)?;
+        let recipients = mail.to.len() + mail.cc.len();
+        if recipients > MAX_RECIPIENTS {
+            return Err(EffectError::Invalid(format!(
+                "a message has {recipients} recipients (to and cc); at most {MAX_RECIPIENTS} are sent"
+            )));
+        }
+        if mail.subject.len() > MAX_SUBJECT {
+            return Err(EffectError::Invalid(format!(
+                "the subject is {} bytes; at most {MAX_SUBJECT} (RFC 5322's line length)",
+                mail.subject.len()
+            )));
+        }
         if self.recorder.is_some() {
             return Ok(None);
         }
-        self.scope.mailer.as_deref().map(Some).map_err(|e| {
+        let mailer = self.scope.mailer.as_deref().map_err(|e| {
             EffectError::Transient(format!("the email transport is not available: {e}"))
-        })
+        })?;
+        if let Some(from) = &mail.from
+            && !mailer.allows_sender(from)
+        {
+            return Err(EffectError::Denied(format!(
+                "From {from:?} is not one of the senders [email] allows (email.from and email.senders)"
+            )));
+        }
+        Ok(Some(mailer))
     }
 
     /// Sends one request to a named provider, once per key.

@@ -7,6 +7,7 @@
 //! | `loop` | `rounds` (100000), `pause_ms` (5) | puts `1`, `2`, ... into kv `counter`, one per round with a pause between; after the first put it logs `stale: looping`. At the first put that fails it calls every other effect once (kv get, insert-if-absent, delete; index upsert, remove, get in `docs`; email send; http send to provider `payments`), logs one line `stale-probe <json>` with what each answered, and returns that JSON. `Fail` if every round's put succeeded. |
 //! | `read` | | `{"counter": <kv counter as text, or null>, "probe": <kv probe, or null>}` |
 //! | `charge` | `order`, `pause_ms` (5) | attempt 1: logs `stale: charging later`, then puts `1`, `2`, ... into kv `tick:<order>` with a pause between until a put fails; then sends the charge anyway and logs one line `stale-charge <json>`, `{"put": <its error>, "http_send": "ok" or the error}`, and returns that JSON. Later attempts send the charge at once and return `{"status": <HTTP status>}`. The charge is `POST /v1/charges` to `payments`, key `stale-charge-<order>`. |
+//! | `mail` | `key`, `to` (list), `subject`, `from` (optional), `times` (1) | sends the message `times` times with `key`; `{"ok": <sends answered ok>, "errors": [<each other answer's effect-error name>]}` |
 //!
 //! The probe line's JSON: `{"last_ok": n, "refused_round": n + 1, "put": "fenced", "kv_get": ..., ...}`,
 //! each effect's value being `"ok"` or the effect-error's WIT name.
@@ -37,6 +38,7 @@ fn handle(job: Job) -> Result<Value, Error> {
         "read" => {
             Ok(json!({ "counter": text(kv::get("counter")?), "probe": text(kv::get("probe")?) }))
         }
+        "mail" => mail(&payload),
         other => Err(Error::fail(format!("unknown \"do\": {other:?}"))),
     }
 }
@@ -130,6 +132,36 @@ fn probe_the_rest(out: &mut Map<String, Value>) {
         .header("content-type", "application/json")
         .body(br#"{"order_id":0,"amount":1}"#.to_vec());
     note("http_send", http::send("stale:probe", request).map(drop));
+}
+
+/// See the table above.
+fn mail(payload: &Value) -> Result<Value, Error> {
+    let field = |name: &str| {
+        payload
+            .get(name)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+    };
+    let mut message = email::Message::new(field("subject"), "a test message");
+    for to in payload
+        .get("to")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        message = message.to(to.as_str().unwrap_or_default());
+    }
+    if let Some(from) = payload.get("from").and_then(Value::as_str) {
+        message = message.from(from);
+    }
+    let (mut ok, mut errors) = (0, Vec::new());
+    for _ in 0..number_or(payload, "times", 1) {
+        match email::send(field("key"), &message) {
+            Ok(_) => ok += 1,
+            Err(e) => errors.push(json!(e.kind())),
+        }
+    }
+    Ok(json!({ "ok": ok, "errors": errors }))
 }
 
 fn text(value: Option<Vec<u8>>) -> Value {
