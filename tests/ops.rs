@@ -187,3 +187,40 @@ async fn json_log_lines_of_an_attempt_name_job_queue_attempt_and_version() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The data directory and everything in it are the daemon's user's alone,
+/// whatever umask it was started with (docs/security.md): the ledger holds
+/// every payload, the outbox every email.
+#[tokio::test]
+async fn the_ledger_and_the_outbox_are_private_to_the_daemons_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Daemon::start_new(
+        "[queues.welcome]\nplugin = \"welcome_email\"\ngrants = { kv = true, email = true }\n\n[email]\ntransport = \"outbox\"\nfrom = \"hello@example.com\"\n",
+        &[("welcome_email", "welcome_email")],
+    )
+    .await;
+    d.wait_plugin("welcome").await;
+    let id = d
+        .enqueue(
+            "welcome",
+            payload(json!({"user_id": 7, "email": "ada@example.com", "name": "Ada"})),
+        )
+        .await;
+    d.wait_state(&id, "completed", 30).await;
+    let data = d.dir.path().join("data");
+    let mut seen = 0;
+    let mut stack = vec![data.clone()];
+    while let Some(p) = stack.pop() {
+        let meta = std::fs::symlink_metadata(&p).unwrap();
+        let mode = meta.permissions().mode() & 0o777;
+        if meta.is_dir() {
+            assert_eq!(mode, 0o700, "{}", p.display());
+            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        } else if meta.is_file() {
+            assert_eq!(mode & 0o077, 0, "{} is {mode:o}", p.display());
+        }
+        seen += 1;
+    }
+    assert!(data.join("khata.db").exists() && data.join("outbox").exists());
+    assert!(seen > 5, "{seen} entries");
+}

@@ -55,6 +55,8 @@ const SWEEP_IDLE: Duration = Duration::from_secs(15);
 pub fn serve(config_path: &Path) -> anyhow::Result<()> {
     init_tracing();
     let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    crate::files::warn_if_shared(&config.daemon.data_dir);
+    crate::files::private();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("khata")
@@ -183,6 +185,7 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
 /// migrations and prints its schema version.
 pub fn store_migrate(config_path: &Path) -> anyhow::Result<()> {
     let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    crate::files::private();
     match config.store.backend {
         Backend::Sled => {
             let data_dir = &config.daemon.data_dir;
@@ -395,6 +398,7 @@ async fn open_for_copy(
 /// written; a copy that fails part-way leaves a target that a later copy
 /// refuses as not empty (start again from an empty one).
 pub fn store_copy(from: &LedgerAt, to: &LedgerAt, page: u32) -> anyhow::Result<()> {
+    crate::files::private();
     let source = locate(from, "--from", true)?;
     let target = locate(to, "--to", false)?;
     let same = match (&source, &target) {

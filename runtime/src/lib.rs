@@ -30,6 +30,7 @@ pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod effects;
+pub mod files;
 pub mod host;
 pub mod job;
 pub mod plugins;
