@@ -173,8 +173,45 @@ pub fn router(state: AppState) -> Router {
             state.allowed_hosts.clone(),
             guard::check,
         ))
+        .layer(middleware::from_fn(json_errors))
         .layer(CatchPanicLayer::custom(panicked))
         .with_state(state)
+}
+
+/// Every error answer carries the JSON error body, also those the routes
+/// do not make themselves (axum's rejections of a path it cannot decode, a
+/// method a route does not take): their text becomes the message.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let response = next.run(req).await;
+    let status = response.status();
+    let json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("application/json"));
+    if status.as_u16() < 400 || json {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 64 << 10)
+        .await
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_owned();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        text
+    };
+    let code = match status {
+        StatusCode::BAD_REQUEST => "invalid_request",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        StatusCode::REQUEST_TIMEOUT => "request_timeout",
+        _ if status.is_server_error() => "internal",
+        _ => "invalid_request",
+    };
+    ApiError::new(status, code, message).into_response()
 }
 
 /// A route that panicked: a 500 with the JSON error body, a log line and a
