@@ -28,6 +28,7 @@ macro_rules! conformance_tests {
             delayed_jobs_wait, tokens_grow_and_leases_are_exclusive, finish_outcomes,
             budget_and_dead, interrupted_is_not_counted, cancel_and_retry, recover_abandoned,
             kv_semantics_and_fencing, index_versions, sweep_retention, counts_and_pages,
+            pages_end_at_their_byte_budget,
             concurrent_enqueue_one_id, fence_table, fence_of_a_dead_attempt,
             uncertain_fences_and_resolution, effects_are_recorded_per_attempt);
     };
@@ -658,6 +659,43 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
         (1, 1, 0),
         "a swept job leaves the counts"
     );
+}
+
+/// A page ends at the job that brings its text to `PAGE_BYTES`, before
+/// `limit`, and names where the next page starts; every job is on exactly
+/// one page.
+pub async fn pages_end_at_their_byte_budget(s: Arc<dyn Store>) {
+    let big = format!("\"{}\"", "x".repeat(3 << 20));
+    for _ in 0..5 {
+        s.enqueue(vec![new_job("big", &big)], T0).await.unwrap();
+    }
+    let mut seen = 0;
+    let mut cursor = None;
+    let mut sizes = Vec::new();
+    loop {
+        let page = s
+            .jobs(
+                JobFilter {
+                    queue: Some("big".into()),
+                    limit: 100,
+                    cursor: cursor.take(),
+                    ..Default::default()
+                },
+                T0,
+            )
+            .await
+            .unwrap();
+        sizes.push(page.jobs.len());
+        seen += page.jobs.len();
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    // 3 MiB each against 8 MiB: three on a page (the third passes the
+    // budget), then two.
+    assert_eq!(sizes, [3, 2], "pages of {sizes:?}");
+    assert_eq!(seen, 5);
 }
 
 pub async fn counts_and_pages(s: Arc<dyn Store>) {

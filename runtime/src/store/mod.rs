@@ -188,6 +188,68 @@ pub struct JobPage {
     pub next_cursor: Option<String>,
 }
 
+/// The most text (payloads, results and errors) one page of jobs holds:
+/// a page ends at `limit` jobs or at the job that reaches this, whichever
+/// comes first, so that a listing of big payloads costs a bounded amount of
+/// memory (it always holds at least one job).
+pub const PAGE_BYTES: u64 = 8 << 20;
+
+/// The bytes of a job that count toward [`PAGE_BYTES`].
+pub fn page_bytes(job: &Job) -> u64 {
+    (job.payload.len()
+        + job.result.as_ref().map_or(0, String::len)
+        + job.last_error.as_ref().map_or(0, String::len)) as u64
+}
+
+/// A page of jobs built as rows arrive newest first; every backend's
+/// `jobs` ends its pages by this one rule.
+#[derive(Debug)]
+pub struct PageBuilder {
+    limit: usize,
+    bytes: u64,
+    jobs: Vec<Job>,
+    last_seq: Option<i64>,
+    full: bool,
+}
+
+impl PageBuilder {
+    /// A page of at most `limit` jobs (clamped to 1..=1000).
+    pub fn new(limit: u32) -> PageBuilder {
+        PageBuilder {
+            limit: limit.clamp(1, 1000) as usize,
+            bytes: 0,
+            jobs: Vec::new(),
+            last_seq: None,
+            full: false,
+        }
+    }
+
+    /// Whether the page can take another job.
+    pub fn has_room(&self) -> bool {
+        !self.full
+    }
+
+    /// Adds the job stored at `seq` (its place in enqueue order).
+    pub fn push(&mut self, job: Job, seq: i64) {
+        self.bytes += page_bytes(&job);
+        self.jobs.push(job);
+        self.last_seq = Some(seq);
+        self.full = self.jobs.len() >= self.limit || self.bytes >= PAGE_BYTES;
+    }
+
+    /// The page; a full one names where the next starts.
+    pub fn finish(self) -> JobPage {
+        JobPage {
+            next_cursor: if self.full {
+                self.last_seq.map(|s| s.to_string())
+            } else {
+                None
+            },
+            jobs: self.jobs,
+        }
+    }
+}
+
 /// What one retention pass removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Swept {

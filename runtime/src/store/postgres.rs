@@ -203,7 +203,7 @@ use tokio_postgres::{NoTls, Row};
 
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Held, JobFilter, JobPage, LeaseLimits,
-    Leased, Resolution, Store, StoreError, Swept, UpsertOutcome,
+    Leased, PAGE_BYTES, PageBuilder, Resolution, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -2894,7 +2894,7 @@ impl Store for PostgresStore {
                 .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
             None => i64::MAX,
         };
-        let mut sql = format!("SELECT {JOB_COLUMNS}, seq FROM jobs WHERE seq < $1");
+        let mut sql = " FROM jobs WHERE seq < $1".to_owned();
         let mut args: Vec<Box<dyn ToSql + Sync + Send>> = vec![Box::new(cursor)];
         if let Some(q) = &filter.queue {
             args.push(Box::new(q.clone()));
@@ -2926,19 +2926,45 @@ impl Store for PostgresStore {
         let params: Vec<&(dyn ToSql + Sync)> =
             args.iter().map(|a| &**a as &(dyn ToSql + Sync)).collect();
         let client = self.client().await?;
-        let found = rows(&client, &sql, &params).await.map_err(store_err)?;
-        let mut jobs = Vec::with_capacity(found.len());
-        let mut last_seq = None;
-        for r in &found {
-            jobs.push(job_from_row(r, now).map_err(store_err)?);
-            last_seq = Some(r.try_get::<_, i64>(14)?);
+        // The rows' sizes first (no payload crosses the wire), so that the
+        // page's rows are fetched only as far as PAGE_BYTES reaches: a
+        // query's rows arrive whole.
+        let sizes = rows(
+            &client,
+            &format!(
+                "SELECT octet_length(payload) + coalesce(octet_length(result), 0)                  + coalesce(octet_length(last_error), 0){sql}"
+            ),
+            &params,
+        )
+        .await
+        .map_err(store_err)?;
+        let mut bytes = 0i64;
+        let mut fit = 0usize;
+        for r in &sizes {
+            fit += 1;
+            bytes += r.try_get::<_, i32>(0)? as i64;
+            if bytes >= PAGE_BYTES as i64 {
+                break;
+            }
         }
-        let next_cursor = if jobs.len() == limit as usize {
-            last_seq.map(|s| s.to_string())
-        } else {
-            None
-        };
-        Ok(JobPage { jobs, next_cursor })
+        drop(params);
+        let mut page = PageBuilder::new(limit);
+        if fit > 0 {
+            args.pop();
+            args.push(Box::new(fit as i64));
+            let params: Vec<&(dyn ToSql + Sync)> =
+                args.iter().map(|a| &**a as &(dyn ToSql + Sync)).collect();
+            let found = rows(&client, &format!("SELECT {JOB_COLUMNS}, seq{sql}"), &params)
+                .await
+                .map_err(store_err)?;
+            for r in found.iter().take(fit) {
+                if !page.has_room() {
+                    break;
+                }
+                page.push(job_from_row(r, now).map_err(store_err)?, r.try_get(14)?);
+            }
+        }
+        Ok(page.finish())
     }
 
     async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError> {

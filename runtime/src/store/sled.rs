@@ -90,7 +90,7 @@ use sled::Transactional;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
     RESOLVED_BY_OPERATOR, Resolution, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
@@ -1608,7 +1608,6 @@ impl Store for SledStore {
 
     async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
         self.read(move |t| {
-            let limit = filter.limit.clamp(1, 1000) as usize;
             let cursor: u64 = match &filter.cursor {
                 Some(s) => s
                     .parse()
@@ -1632,10 +1631,9 @@ impl Store for SledStore {
                         t.t[BY_SEQ].range(..cursor.to_be_bytes().to_vec()).rev(),
                     )),
                 };
-            let mut jobs = Vec::new();
-            let mut last_seq = None;
+            let mut page = PageBuilder::new(filter.limit);
             for c in candidates {
-                if jobs.len() >= limit {
+                if !page.has_room() {
                     break;
                 }
                 let (_, id) = c?;
@@ -1647,15 +1645,9 @@ impl Store for SledStore {
                 if filter.state.is_some_and(|s| s != job.state) {
                     continue;
                 }
-                last_seq = Some(rec.seq);
-                jobs.push(job);
+                page.push(job, i64::try_from(rec.seq).unwrap_or(i64::MAX));
             }
-            let next_cursor = if jobs.len() == limit {
-                last_seq.map(|s| s.to_string())
-            } else {
-                None
-            };
-            Ok(JobPage { jobs, next_cursor })
+            Ok(page.finish())
         })
         .await
     }
