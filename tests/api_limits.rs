@@ -194,6 +194,34 @@ async fn a_payload_is_kept_as_sent_and_an_id_deduplicates_by_its_meaning() {
     let (status, v) = d.call_raw("POST", "/v1/queues/parked/jobs", other).await;
     assert_eq!(status, 409, "{v}");
     assert_eq!(job_count(&d).await, 1);
+
+    // The CLI sends its payload argument as it is, too.
+    let out = d.cli(&[
+        "enqueue",
+        "parked",
+        r#"{"big": 123456789012345678901234567890}"#,
+        "--id",
+        "from-cli",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = d
+        .http
+        .get(format!("{}/v1/jobs/from-cli", d.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains(r#""payload":{"big":123456789012345678901234567890}"#)
+            || text.contains(r#""payload":{"big": 123456789012345678901234567890}"#),
+        "{text}"
+    );
 }
 
 #[tokio::test]

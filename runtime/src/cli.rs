@@ -382,7 +382,34 @@ pub enum PayloadArg {
     /// `-`: read the JSON from stdin.
     Stdin,
     /// The JSON given on the command line.
-    Json(Value),
+    Json(JsonText),
+}
+
+/// JSON text, checked to be JSON and sent as it is: its numbers are not
+/// turned into floating point on the way (123456789012345678901234567890
+/// stays what it is), nor its keys reordered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonText(String);
+
+impl JsonText {
+    pub fn parse(text: &str) -> Result<JsonText, serde_json::Error> {
+        serde_json::from_str::<&serde_json::value::RawValue>(text)?;
+        Ok(JsonText(text.trim().to_owned()))
+    }
+}
+
+impl Default for JsonText {
+    fn default() -> JsonText {
+        JsonText("{}".to_owned())
+    }
+}
+
+impl Serialize for JsonText {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        serde_json::from_str::<&serde_json::value::RawValue>(&self.0)
+            .map_err(serde::ser::Error::custom)?
+            .serialize(s)
+    }
 }
 
 /// Arguments of `khata jobs`.
@@ -520,7 +547,7 @@ fn parse_payload(arg: &str) -> Result<PayloadArg, String> {
     if arg == "-" {
         return Ok(PayloadArg::Stdin);
     }
-    serde_json::from_str(arg)
+    JsonText::parse(arg)
         .map(PayloadArg::Json)
         .map_err(|err| format!("not JSON: {err}"))
 }
@@ -659,13 +686,13 @@ impl GlobalArgs {
 
 impl EnqueueArgs {
     /// The payload, read from stdin for `-`.
-    fn payload(&self) -> Result<Value, Failure> {
+    fn payload(&self) -> Result<JsonText, Failure> {
         match &self.payload {
             PayloadArg::Json(value) => Ok(value.clone()),
             PayloadArg::Stdin => {
                 let text = io::read_to_string(io::stdin())
                     .context("cannot read PAYLOAD_JSON from stdin")?;
-                serde_json::from_str(&text).map_err(|err| {
+                JsonText::parse(&text).map_err(|err| {
                     let mut cli = Cli::command();
                     cli.build();
                     let enqueue = cli
@@ -683,7 +710,7 @@ impl EnqueueArgs {
     }
 
     /// The API's enqueue body.
-    fn request(&self, payload: Value) -> EnqueueRequest {
+    fn request(&self, payload: JsonText) -> EnqueueRequest {
         EnqueueRequest {
             payload,
             id: self.id.clone(),
@@ -701,11 +728,11 @@ impl EnqueueArgs {
 async fn run_client(
     client: &Client,
     command: Command,
-    enqueue_payload: Option<Value>,
+    enqueue_payload: Option<JsonText>,
 ) -> Result<String, ClientError> {
     let out = match command {
         Command::Enqueue(args) => {
-            let payload = enqueue_payload.unwrap_or_else(|| Value::Object(Default::default()));
+            let payload = enqueue_payload.unwrap_or_default();
             let answer = client.enqueue(&args.queue, &args.request(payload)).await?;
             if args.output.json {
                 pretty(&answer)
@@ -1006,7 +1033,7 @@ pub enum ClientError {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct EnqueueRequest {
     /// The job's payload.
-    pub payload: Value,
+    pub payload: JsonText,
     /// A stable job id (deduplicates enqueues).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
@@ -1748,8 +1775,8 @@ mod tests {
         let Command::Enqueue(args) = parse(&["enqueue", "q"]).unwrap().command else {
             panic!()
         };
-        assert_eq!(args.payload, PayloadArg::Json(json!({})));
-        let body = serde_json::to_value(args.request(json!({}))).unwrap();
+        assert_eq!(args.payload, PayloadArg::Json(JsonText::default()));
+        let body = serde_json::to_value(args.request(JsonText::default())).unwrap();
         assert_eq!(body, json!({"payload": {}}));
 
         let Command::Enqueue(args) = parse(&["enqueue", "q", "-"]).unwrap().command else {
@@ -2075,7 +2102,7 @@ plugin = "echo"
         .await;
         let client = Client::new(&format!("http://{addr}"), Some("t0k".into())).unwrap();
         let request = EnqueueRequest {
-            payload: json!({"a": 1}),
+            payload: JsonText::parse(r#"{"a": 1}"#).unwrap(),
             dedup_key: Some("k".into()),
             ..Default::default()
         };
