@@ -5,7 +5,7 @@
 //!   bounds the **sum** of every linear memory the attempt's instances create
 //!   or grow (a component may hold several core instances, each with its own
 //!   memories), not each memory alone.
-//! - [`Deadline`] is the store's epoch callback. Each epoch tick (10 ms) a
+//! - [`Deadline`] is the store's epoch callback. Each epoch tick (2 ms) a
 //!   guest that computes hands its worker thread back to the runtime, so that
 //!   the API, heartbeats and the systemd watchdog keep answering while every
 //!   slot runs a computing guest; once the queue's `timeout` has passed the

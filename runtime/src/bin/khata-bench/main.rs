@@ -49,6 +49,9 @@
 //! 10. the API while every slot of two queues runs a guest that computes for
 //!     20 s: `/healthz` and enqueue latency (p50, p99, max), and the jobs of a
 //!     third queue completed meanwhile (`computing`).
+//! 11. the soak, only when named (`--only 11 --soak 10m`): a mix of jobs at
+//!     80% of the maximum with `kill -9` every two minutes; jobs lost, and
+//!     the slopes of RSS and ledger size, with a PNG plot (`soak`).
 //!
 //! `--backend sled` runs every daemon of the figures on the sled store
 //! (`[store] backend = "sled"`) instead of SQLite, so that the two can be
@@ -89,6 +92,7 @@ use khata::store::sqlite::SqliteStore;
 mod computing;
 mod langs;
 mod postgres;
+mod soak;
 
 /// Jobs drained in figures 1, 2 and 6.
 const DRAIN_JOBS: usize = 20_000;
@@ -142,8 +146,14 @@ struct Args {
     #[arg(long)]
     million: bool,
     /// Run only these figures, e.g. `--only 1,4`.
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=10))]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=11))]
     only: Vec<u8>,
+    /// How long figure 11 soaks (it runs only when named in `--only`).
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    soak: Duration,
+    /// Where figure 11 writes its plot.
+    #[arg(long, default_value = "soak.png")]
+    plot: PathBuf,
     /// Jobs drained in each run of figure 7's jobs/s (7a-7c).
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     effect_jobs: u64,
@@ -226,6 +236,10 @@ async fn run(bench: &Bench, args: &Args) -> anyhow::Result<Vec<Row>> {
     }
     if wanted(10) {
         rows.extend(computing::figure_computing(bench).await?);
+    }
+    // Minutes long: only when asked for by name.
+    if args.only.contains(&11) {
+        rows.extend(soak::figure_soak(bench, args.soak, &args.plot).await?);
     }
     Ok(rows)
 }
