@@ -125,20 +125,31 @@ impl Default for Daemon {
     }
 }
 
-/// `[retention]`: how long finished jobs and fences are kept.
+/// `[retention]`: how long ended jobs, done fences, index tombstones and
+/// the kv entries of chosen namespaces are kept.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Retention {
-    /// Default 7 days.
+    /// Completed and cancelled jobs. Default 7 days.
     pub jobs: Duration,
-    /// Default 30 days.
+    /// Dead jobs. Default 30 days.
+    pub dead: Duration,
+    /// Done fences. Default 30 days.
     pub fences: Duration,
+    /// Index tombstones. Default 30 days.
+    pub tombstones: Duration,
+    /// kv namespaces whose entries expire this long after their last write;
+    /// each names the namespace of some queue. Default: none (kv is kept).
+    pub kv: BTreeMap<String, Duration>,
 }
 
 impl Default for Retention {
     fn default() -> Self {
         Retention {
             jobs: Duration::from_secs(7 * 86_400),
+            dead: Duration::from_secs(30 * 86_400),
             fences: Duration::from_secs(30 * 86_400),
+            tombstones: Duration::from_secs(30 * 86_400),
+            kv: BTreeMap::new(),
         }
     }
 }
@@ -672,7 +683,10 @@ struct RawDaemon {
 #[serde(deny_unknown_fields, default, expecting = "a [retention] table")]
 struct RawRetention {
     jobs: Opt<String>,
+    dead: Opt<String>,
     fences: Opt<String>,
+    tombstones: Opt<String>,
+    kv: BTreeMap<Spanned<String>, Spanned<String>>,
 }
 
 /// `[defaults]`, and the same fields of a queue.
@@ -1070,14 +1084,6 @@ impl<'a> Checker<'a> {
     /// Pass 2: every semantic check, collecting all issues.
     fn resolve(&mut self, mut raw: RawConfig) -> Config {
         let daemon = self.daemon(&raw.daemon);
-        let retention = Retention {
-            jobs: self
-                .duration("retention.jobs", raw.retention.jobs.as_ref(), true)
-                .unwrap_or(Retention::default().jobs),
-            fences: self
-                .duration("retention.fences", raw.retention.fences.as_ref(), true)
-                .unwrap_or(Retention::default().fences),
-        };
         let defaults = self.limits("defaults", &raw.defaults, &Limits::default());
 
         let mut http = BTreeMap::new();
@@ -1094,6 +1100,7 @@ impl<'a> Checker<'a> {
             queues.insert(name.get_ref().clone(), resolved);
         }
 
+        let retention = self.retention(&raw.retention, &queues);
         let email = self.email(&raw.email);
 
         let mut schedules = BTreeMap::new();
@@ -1845,6 +1852,49 @@ impl<'a> Checker<'a> {
         resolved
     }
 
+    /// `[retention]`; a kv rule must name a namespace some queue writes
+    /// (a misspelt one would silently keep everything).
+    fn retention(&mut self, raw: &RawRetention, queues: &BTreeMap<String, Queue>) -> Retention {
+        let base = Retention::default();
+        let mut window = |key: &str, raw: &Opt<String>, default: Duration| {
+            self.duration(key, raw.as_ref(), true).unwrap_or(default)
+        };
+        let mut retention = Retention {
+            jobs: window("retention.jobs", &raw.jobs, base.jobs),
+            dead: window("retention.dead", &raw.dead, base.dead),
+            fences: window("retention.fences", &raw.fences, base.fences),
+            tombstones: window("retention.tombstones", &raw.tombstones, base.tombstones),
+            kv: BTreeMap::new(),
+        };
+        for (ns, raw_window) in &raw.kv {
+            let key = join("retention.kv", ns.get_ref());
+            let Some(window) = self.duration(&key, Some(raw_window), true) else {
+                continue;
+            };
+            if !queues.values().any(|q| q.namespace == *ns.get_ref()) {
+                let mut known: Vec<&str> = queues.values().map(|q| q.namespace.as_str()).collect();
+                known.sort_unstable();
+                known.dedup();
+                self.issue(
+                    &key,
+                    Some(ns.span()),
+                    format!(
+                        "no queue writes the kv namespace {:?} (the queues' namespaces: {})",
+                        ns.get_ref(),
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                );
+                continue;
+            }
+            retention.kv.insert(ns.get_ref().clone(), window);
+        }
+        retention
+    }
+
     // -- single values ------------------------------------------------------
 
     fn duration(
@@ -2293,6 +2343,42 @@ heartbeat = "5s"
             .iter()
             .find(|i| i.key == key)
             .unwrap_or_else(|| panic!("no issue for {key}: {issues:#?}"))
+    }
+
+    #[test]
+    fn retention_windows_and_kv_namespaces() {
+        let config = parse(
+            r#"
+[retention]
+dead = "90d"
+tombstones = "1d"
+kv = { users = "12h" }
+[queues.a]
+plugin = "p"
+namespace = "users"
+"#,
+        )
+        .unwrap();
+        let r = &config.retention;
+        assert_eq!(r.jobs, Duration::from_secs(7 * 86_400), "default kept");
+        assert_eq!(r.dead, Duration::from_secs(90 * 86_400));
+        assert_eq!(r.tombstones, Duration::from_secs(86_400));
+        assert_eq!(r.kv["users"], Duration::from_secs(12 * 3600));
+
+        let issues = errors(
+            "[retention]\nkv = { userz = \"1h\", users = \"0s\" }\n[queues.a]\nplugin = \"p\"\nnamespace = \"users\"\n",
+        );
+        let typo = issue(&issues, "retention.kv.userz");
+        assert_eq!((typo.line, typo.column), (Some(2), Some(8)));
+        assert!(
+            typo.message.contains("\"userz\"") && typo.message.contains("users"),
+            "{typo:?}"
+        );
+        assert!(
+            issue(&issues, "retention.kv.users")
+                .message
+                .contains("longer than zero")
+        );
     }
 
     #[test]

@@ -35,10 +35,10 @@ use crate::job::Millis;
 use crate::plugins::{Loader, ScanKind, Watch, check_grants, plugin_path};
 use crate::queue::{Clock, Outside, Queues, Reconfigured, Stop};
 use crate::schedule::Schedules;
-use crate::store::Store;
 use crate::store::postgres::PostgresStore;
 use crate::store::sled::SledStore;
 use crate::store::sqlite::SqliteStore;
+use crate::store::{RetentionRules, Store};
 
 /// The compiled-code cache, under `data_dir`.
 const CODE_CACHE: &str = "code-cache";
@@ -898,33 +898,39 @@ struct Running {
 /// debug level (a busy daemon sweeps many times a second).
 async fn sweep(run: &Running) -> Duration {
     let retention = &run.config.retention;
-    match run
-        .store
-        .sweep(Millis::now(), retention.jobs, retention.fences, SWEEP_LIMIT)
-        .await
-    {
+    let rules = RetentionRules {
+        jobs: retention.jobs,
+        dead: retention.dead,
+        fences: retention.fences,
+        tombstones: retention.tombstones,
+        kv: retention
+            .kv
+            .iter()
+            .map(|(ns, window)| (ns.clone(), *window))
+            .collect(),
+    };
+    match run.store.sweep(Millis::now(), &rules, SWEEP_LIMIT).await {
         Ok(s) => {
-            for (kind, n) in [
-                ("jobs", s.jobs),
-                ("fences", s.fences),
-                ("dedup_keys", s.dedup_keys),
-            ] {
+            let kinds = s.kinds();
+            for (kind, n) in kinds {
                 if n > 0 {
                     metrics::counter!("khata_retention_swept_total", "kind" => kind).increment(n);
                 }
             }
-            if s.jobs + s.fences + s.dedup_keys > 0 {
+            if kinds.iter().any(|&(_, n)| n > 0) {
                 tracing::debug!(
                     jobs = s.jobs,
+                    dead_jobs = s.dead_jobs,
                     fences = s.fences,
                     dedup_keys = s.dedup_keys,
+                    kv = s.kv,
+                    tombstones = s.tombstones,
                     "retention sweep"
                 );
             }
-            let counts = [s.jobs, s.fences, s.dedup_keys];
-            if counts.iter().any(|&n| n >= u64::from(SWEEP_LIMIT)) {
+            if kinds.iter().any(|&(_, n)| n >= u64::from(SWEEP_LIMIT)) {
                 SWEEP_AGAIN
-            } else if counts.iter().any(|&n| n > 0) {
+            } else if kinds.iter().any(|&(_, n)| n > 0) {
                 SWEEP_BUSY
             } else {
                 SWEEP_IDLE

@@ -353,7 +353,8 @@ impl Effects {
             "kv",
             key,
             &request,
-            self.store.kv_put(&self.lease, &self.namespace, key, value),
+            self.store
+                .kv_put(&self.lease, &self.namespace, key, value, Millis::now()),
         )
         .await
     }
@@ -372,7 +373,7 @@ impl Effects {
             key,
             &request,
             self.store
-                .kv_insert_if_absent(&self.lease, &self.namespace, key, value),
+                .kv_insert_if_absent(&self.lease, &self.namespace, key, value, Millis::now()),
         )
         .await
     }

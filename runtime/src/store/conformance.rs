@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    EffectRecord, FenceBegin, FenceId, FenceState, JobFilter, Resolution, Store, StoreError,
-    UpsertOutcome,
+    EffectRecord, FenceBegin, FenceId, FenceState, JobFilter, Resolution, RetentionRules, Store,
+    StoreError, UpsertOutcome,
 };
 use crate::job::{AttemptOutcome, Finish, JobState, LeaseRef, Millis, NewJob};
 
@@ -472,7 +472,7 @@ pub async fn cancel_and_retry(s: Arc<dyn Store>) {
     assert_eq!(l.job_id, active);
     let (_, was_active) = s.cancel(&active, at(3)).await.unwrap();
     assert!(was_active);
-    let kv = s.kv_put(&l.fence(), "ns", "k", b"v".to_vec()).await;
+    let kv = s.kv_put(&l.fence(), "ns", "k", b"v".to_vec(), at(3)).await;
     assert!(
         matches!(kv, Err(StoreError::Fenced { .. })),
         "a cancelled attempt is fenced: {kv:?}"
@@ -527,12 +527,12 @@ pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
     let l = lease1(&*s, "q", T0).await.fence();
     assert_eq!(s.kv_get(&l, "ns", "k").await.unwrap(), None);
     assert!(
-        s.kv_insert_if_absent(&l, "ns", "k", b"1".to_vec())
+        s.kv_insert_if_absent(&l, "ns", "k", b"1".to_vec(), T0)
             .await
             .unwrap()
     );
     assert!(
-        !s.kv_insert_if_absent(&l, "ns", "k", b"2".to_vec())
+        !s.kv_insert_if_absent(&l, "ns", "k", b"2".to_vec(), T0)
             .await
             .unwrap()
     );
@@ -545,7 +545,7 @@ pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
         None,
         "namespaces are apart"
     );
-    s.kv_put(&l, "ns", "k", b"3".to_vec()).await.unwrap();
+    s.kv_put(&l, "ns", "k", b"3".to_vec(), T0).await.unwrap();
     assert_eq!(
         s.kv_get(&l, "ns", "k").await.unwrap().as_deref(),
         Some(&b"3"[..])
@@ -557,7 +557,7 @@ pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
         token: l.token + 1000,
     };
     assert!(matches!(
-        s.kv_put(&forged, "ns", "k", vec![]).await,
+        s.kv_put(&forged, "ns", "k", vec![], T0).await,
         Err(StoreError::Fenced { .. })
     ));
     assert_eq!(
@@ -614,6 +614,8 @@ pub async fn index_versions(s: Arc<dyn Store>) {
     assert_eq!(s.index_get("other", "p1").await.unwrap(), None);
 }
 
+/// Each kind goes after its own window, counted from its own clock; what is
+/// younger, and kv of namespaces without a rule, stays.
 pub async fn sweep_retention(s: Arc<dyn Store>) {
     let day = Duration::from_secs(86_400);
     s.enqueue(
@@ -621,12 +623,35 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
             with_id(new_job("q", "1"), "old"),
             with_id(new_job("q", "2"), "dead"),
             with_id(new_job("q", "3"), "fresh"),
+            with_id(new_job("q", "4"), "writer"),
         ],
         T0,
     )
     .await
     .unwrap();
-    let ls = s.lease("q", 3, "v1", T0).await.unwrap();
+    let ls = s.lease("q", 4, "v1", T0).await.unwrap();
+    let writer = ls.iter().find(|l| l.job_id == "writer").unwrap().fence();
+    // kv: "cache" keeps a day, "forever" has no rule.
+    for (ns, key, when) in [
+        ("cache", "old", T0),
+        ("cache", "new", T0.plus(day * 7)),
+        ("forever", "old", T0),
+    ] {
+        s.kv_put(&writer, ns, key, b"v".to_vec(), when)
+            .await
+            .unwrap();
+    }
+    // A tombstone of version 10 written at T0, another at day 7.
+    for (id, when) in [("gone", T0), ("recent", T0.plus(day * 7))] {
+        s.index_upsert(&writer, "products", id, "{}", 9, when)
+            .await
+            .unwrap();
+        assert!(
+            s.index_remove(&writer, "products", id, 10, when)
+                .await
+                .unwrap()
+        );
+    }
     for l in &ls {
         let finish = if l.job_id == "dead" {
             Finish::Fail {
@@ -636,28 +661,79 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
         } else {
             Finish::Completed { result: "1".into() }
         };
-        let when = if l.job_id == "fresh" {
-            T0.plus(day * 6)
-        } else {
-            T0
+        let when = match l.job_id.as_str() {
+            "fresh" | "writer" => T0.plus(day * 6),
+            _ => T0,
         };
         s.finish(&l.fence(), finish, when).await.unwrap();
     }
+    let rules = RetentionRules {
+        jobs: day * 7,
+        dead: day * 30,
+        fences: day * 30,
+        tombstones: day * 3,
+        kv: vec![("cache".into(), day)],
+    };
     let now = T0.plus(day * 7 + Duration::from_secs(1));
-    let swept = s.sweep(now, day * 7, day * 30, 100).await.unwrap();
-    assert_eq!(swept.jobs, 1);
+    let swept = s.sweep(now, &rules, 100).await.unwrap();
+    assert_eq!(
+        (swept.jobs, swept.dead_jobs, swept.kv, swept.tombstones),
+        (1, 0, 1, 1),
+        "{swept:?}"
+    );
     assert!(s.job("old", now).await.unwrap().is_none());
     assert!(
         s.job("dead", now).await.unwrap().is_some(),
-        "dead jobs stay until removed"
+        "a dead job stays for its own window"
     );
     assert!(s.job("fresh", now).await.unwrap().is_some());
     let counts = s.counts(now).await.unwrap();
     let q = &counts.iter().find(|(q, _)| q == "q").unwrap().1;
     assert_eq!(
         (q.completed, q.dead, q.waiting),
-        (1, 1, 0),
+        (2, 1, 0),
         "a swept job leaves the counts"
+    );
+
+    // A later attempt sees what stayed and what went.
+    s.enqueue(vec![with_id(new_job("q", "5"), "reader")], now)
+        .await
+        .unwrap();
+    let reader = lease1(&*s, "q", now).await;
+    let r = reader.fence();
+    let kv = |ns: &'static str, key: &'static str| {
+        let (s, r) = (Arc::clone(&s), r.clone());
+        async move { s.kv_get(&r, ns, key).await.unwrap().is_some() }
+    };
+    assert!(!kv("cache", "old").await, "past its namespace's window");
+    assert!(kv("cache", "new").await, "written within the window");
+    assert!(kv("forever", "old").await, "no rule: kept");
+    let up = |id: &'static str| {
+        let (s, r) = (Arc::clone(&s), r.clone());
+        async move {
+            s.index_upsert(&r, "products", id, "{}", 5, now)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        up("gone").await,
+        UpsertOutcome::Inserted,
+        "a swept tombstone no longer holds its version"
+    );
+    assert_eq!(up("recent").await, UpsertOutcome::Stale);
+    complete(&*s, &reader, now).await;
+
+    // Past the dead window the dead job goes too, and nothing is left to do.
+    let later = T0.plus(day * 31);
+    let swept = s.sweep(later, &rules, 100).await.unwrap();
+    assert_eq!(swept.dead_jobs, 1, "{swept:?}");
+    assert!(s.job("dead", later).await.unwrap().is_none());
+    let again = s.sweep(later, &rules, 100).await.unwrap();
+    assert_eq!(
+        (again.jobs, again.dead_jobs, again.kv, again.tombstones),
+        (0, 0, 0, 0),
+        "a second pass finds nothing: {again:?}"
     );
 }
 

@@ -253,6 +253,8 @@ pub struct KvRecord {
     pub namespace: String,
     pub key: String,
     pub value: Vec<u8>,
+    /// The entry's last write, from which `[retention] kv` counts.
+    pub written_at: Millis,
 }
 
 /// An index document; `document: None` is a tombstone that keeps its version.
@@ -650,6 +652,7 @@ mod tests {
                 namespace: "n".into(),
                 key: k.into(),
                 value: v.to_vec(),
+                written_at: Millis(1),
             })
         };
         let (mut a, mut b, mut c) = (Summary::default(), Summary::default(), Summary::default());

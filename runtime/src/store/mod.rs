@@ -250,12 +250,49 @@ impl PageBuilder {
     }
 }
 
+/// What retention removes, and how long after (`[retention]` in
+/// docs/jobs-toml.md). Times count from the row's own clock field: a job's
+/// `finished_at`, a fence's or tombstone's last change, a kv entry's last
+/// write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetentionRules {
+    /// Completed and cancelled jobs.
+    pub jobs: Duration,
+    /// Dead jobs.
+    pub dead: Duration,
+    /// Done fences (started and uncertain ones are never swept).
+    pub fences: Duration,
+    /// Index tombstones (a removed document's version).
+    pub tombstones: Duration,
+    /// kv entries of the named namespaces; other namespaces keep theirs.
+    pub kv: Vec<(String, Duration)>,
+}
+
 /// What one retention pass removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Swept {
+    /// Completed and cancelled jobs.
     pub jobs: u64,
+    pub dead_jobs: u64,
     pub fences: u64,
     pub dedup_keys: u64,
+    pub kv: u64,
+    pub tombstones: u64,
+}
+
+impl Swept {
+    /// Each kind with its count, as `khata_retention_swept_total{kind}`
+    /// names them.
+    pub fn kinds(&self) -> [(&'static str, u64); 6] {
+        [
+            ("jobs", self.jobs),
+            ("dead_jobs", self.dead_jobs),
+            ("fences", self.fences),
+            ("dedup_keys", self.dedup_keys),
+            ("kv", self.kv),
+            ("tombstones", self.tombstones),
+        ]
+    }
 }
 
 /// A queue's limits as [`Store::lease_within`] keeps them across daemons.
@@ -385,14 +422,15 @@ pub trait Store: Send + Sync + 'static {
     /// Job counts by queue and state. Committed state.
     async fn counts(&self, now: Millis) -> Result<Vec<(String, StateCounts)>, StoreError>;
 
-    /// Removes completed and cancelled jobs finished before `now - jobs`,
-    /// done fences older than `now - fences` and expired dedup keys, at most
-    /// `limit` rows of each per pass. **Durable.**
+    /// Removes what `rules` says is due at `now` (each job with its
+    /// attempts and effects, releasing its dedup key), and expired dedup
+    /// keys: at most `limit` rows of each kind per pass, so that one pass is
+    /// one bounded write. **Durable**: what it reports removed stays
+    /// removed.
     async fn sweep(
         &self,
         now: Millis,
-        jobs: Duration,
-        fences: Duration,
+        rules: &RetentionRules,
         limit: u32,
     ) -> Result<Swept, StoreError>;
 
@@ -406,12 +444,15 @@ pub trait Store: Send + Sync + 'static {
         ns: &str,
         key: &str,
     ) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Writes `value`; `now` is the entry's write time, from which
+    /// [`RetentionRules::kv`] counts.
     async fn kv_put(
         &self,
         lease: &LeaseRef,
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<(), StoreError>;
     /// True when inserted; false when the key existed (nothing changed).
     async fn kv_insert_if_absent(
@@ -420,6 +461,7 @@ pub trait Store: Send + Sync + 'static {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<bool, StoreError>;
     /// True when a value was deleted.
     async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError>;
@@ -601,26 +643,90 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// Set once by an embedded ledger's writer when a commit fails; read by
-/// the daemon (which then exits non-zero) and by `/readyz` (503).
+/// Set once by an embedded ledger's writer when a commit fails, or when a
+/// commit has not returned within [`Halt::COMMIT_DEADLINE`]; read by the
+/// daemon (which then exits non-zero) and by `/readyz` (503).
 ///
-/// Invariant: once set it stays set, and the writer has run no step since.
+/// Invariant: once set it stays set, and the writer has run no step since
+/// (a commit that never returns runs none either: its thread is stuck in
+/// it, as sled's flush is on a full disk, and the daemon exits around it).
 #[derive(Debug, Clone, Default)]
-pub struct Halt(Arc<std::sync::OnceLock<String>>);
+pub struct Halt {
+    why: Arc<std::sync::OnceLock<String>>,
+    /// When the commit in progress started, in ms since `epoch` plus one;
+    /// 0 while none is.
+    committing: Arc<std::sync::atomic::AtomicU64>,
+    epoch: Arc<std::sync::OnceLock<std::time::Instant>>,
+}
 
 impl Halt {
+    /// How long a durable commit may take before the ledger counts as
+    /// stopped. A healthy disk commits in milliseconds and a loaded one in
+    /// a few seconds; one that has not answered in 20 s will not, and the
+    /// requests waiting on it would otherwise hang until their timeouts.
+    pub const COMMIT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
+
     /// Records why the writer stopped (the first reason is kept).
     pub fn set(&self, why: String) {
-        let _ = self.0.set(why);
+        let _ = self.why.set(why);
+    }
+
+    /// Runs a durable commit under [`Halt::COMMIT_DEADLINE`].
+    pub fn committing<T>(&self, commit: impl FnOnce() -> T) -> T {
+        use std::sync::atomic::Ordering;
+        let epoch = *self.epoch.get_or_init(std::time::Instant::now);
+        let since = epoch.elapsed().as_millis() as u64 + 1;
+        self.committing.store(since, Ordering::Release);
+        let done = commit();
+        self.committing.store(0, Ordering::Release);
+        done
     }
 
     pub fn reason(&self) -> Option<String> {
-        self.0.get().cloned()
+        use std::sync::atomic::Ordering;
+        if let Some(why) = self.why.get() {
+            return Some(why.clone());
+        }
+        let since = self.committing.load(Ordering::Acquire);
+        let epoch = self.epoch.get()?;
+        if since != 0 {
+            let taken = epoch
+                .elapsed()
+                .saturating_sub(std::time::Duration::from_millis(since - 1));
+            if taken > Self::COMMIT_DEADLINE {
+                self.set(format!(
+                    "a commit has not returned in {} s (a full disk or a failing device)",
+                    taken.as_secs()
+                ));
+            }
+        }
+        self.why.get().cloned()
+    }
+
+    /// Waits for the answer to a step sent to the writer, or for the
+    /// writer to stop: a writer stuck in a commit answers nothing, and its
+    /// callers get the halt's error instead of waiting for ever.
+    pub async fn answer<T>(
+        &self,
+        rx: tokio::sync::oneshot::Receiver<Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let stopped = async {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                if self.reason().is_some() {
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            answer = rx => answer.map_err(|_| self.error())?,
+            () = stopped => Err(self.error()),
+        }
     }
 
     /// The error a step gets from a stopped writer.
     pub fn error(&self) -> StoreError {
-        StoreError::Unavailable(match self.0.get() {
+        StoreError::Unavailable(match self.why.get() {
             Some(why) => format!("the ledger stopped taking writes after: {why}"),
             None => "the ledger writer has stopped".to_owned(),
         })

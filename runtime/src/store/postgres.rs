@@ -203,7 +203,8 @@ use tokio_postgres::{NoTls, Row};
 
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Held, JobFilter, JobPage, LeaseLimits,
-    Leased, PAGE_BYTES, PageBuilder, Resolution, Store, StoreError, Swept, UpsertOutcome,
+    Leased, PAGE_BYTES, PageBuilder, Resolution, RetentionRules, Store, StoreError, Swept,
+    UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -211,7 +212,7 @@ use crate::job::{
 };
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: i32 = 4;
+pub const SCHEMA_VERSION: i32 = 5;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
 pub const MIGRATIONS: &[&str] = &[
@@ -401,6 +402,16 @@ CREATE INDEX queue_starts_at ON queue_starts (queue, at);
 CREATE TABLE queue_waits (
     queue text PRIMARY KEY
 );
+"#,
+    r#"
+-- Retention of dead jobs, kv entries and index tombstones: a kv entry's last
+-- write (entries from before version 5 count as written now).
+ALTER TABLE kv ADD COLUMN written_at bigint NOT NULL
+    DEFAULT (extract(epoch FROM now()) * 1000)::bigint;
+ALTER TABLE kv ALTER COLUMN written_at DROP DEFAULT;
+CREATE INDEX kv_written ON kv (namespace, written_at);
+CREATE INDEX jobs_dead ON jobs (finished_at) WHERE state = 'dead';
+CREATE INDEX index_tombstones ON index_docs (updated_at) WHERE document IS NULL;
 "#,
 ];
 
@@ -2105,16 +2116,81 @@ async fn retry_step<C: GenericClient>(c: &C, id: &str, now: Millis) -> Result<Jo
 async fn sweep_step<C: GenericClient>(
     c: &C,
     now: Millis,
-    jobs: Duration,
-    fences: Duration,
+    rules: &RetentionRules,
     limit: u32,
 ) -> Result<Swept, Fail> {
     let limit = i64::from(limit.min(MAX_SWEEP));
+    let mut swept = Swept {
+        jobs: sweep_jobs(
+            c,
+            now,
+            "state IN ('completed', 'cancelled')",
+            rules.jobs,
+            limit,
+        )
+        .await?,
+        dead_jobs: sweep_jobs(c, now, "state = 'dead'", rules.dead, limit).await?,
+        ..Swept::default()
+    };
+    swept.fences = exec(
+        c,
+        "DELETE FROM fences WHERE (namespace, kind, key) IN \
+         (SELECT namespace, kind, key FROM fences WHERE state = 'done' AND updated_at < $1 \
+          LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        &[&now.minus(rules.fences).0, &limit],
+    )
+    .await?;
+    // A dedup row whose hold expired and whose job is no longer live.
+    swept.dedup_keys = exec(
+        c,
+        "DELETE FROM dedup WHERE (queue, key) IN (SELECT d.queue, d.key FROM dedup d \
+           LEFT JOIN jobs j ON j.id = d.job_id \
+           WHERE (d.hold_until IS NULL OR d.hold_until <= $1) \
+             AND (j.id IS NULL OR j.state NOT IN ('waiting', 'active')) \
+           LIMIT $2 FOR UPDATE OF d SKIP LOCKED)",
+        &[&now.0, &limit],
+    )
+    .await?;
+    swept.tombstones = exec(
+        c,
+        "DELETE FROM index_docs WHERE (collection, id) IN (SELECT collection, id FROM index_docs \
+           WHERE document IS NULL AND updated_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        &[&now.minus(rules.tombstones).0, &limit],
+    )
+    .await?;
+    for (ns, keep) in &rules.kv {
+        let room = limit.saturating_sub(i64::try_from(swept.kv).unwrap_or(i64::MAX));
+        if room <= 0 {
+            break;
+        }
+        swept.kv += exec(
+            c,
+            "DELETE FROM kv WHERE (namespace, key) IN (SELECT namespace, key FROM kv \
+               WHERE namespace = $1 AND written_at < $2 LIMIT $3 FOR UPDATE SKIP LOCKED)",
+            &[ns, &now.minus(*keep).0, &room],
+        )
+        .await?;
+    }
+    Ok(swept)
+}
+
+/// Removes up to `limit` jobs matching `state_filter` that finished before
+/// `now - keep`, with their attempts and effects, releasing their dedup
+/// keys. Returns how many.
+async fn sweep_jobs<C: GenericClient>(
+    c: &C,
+    now: Millis,
+    state_filter: &str,
+    keep: Duration,
+    limit: i64,
+) -> Result<u64, Fail> {
     let ids: Vec<String> = rows(
         c,
-        "SELECT id FROM jobs WHERE state IN ('completed', 'cancelled') AND finished_at < $1 \
-         LIMIT $2 FOR UPDATE SKIP LOCKED",
-        &[&now.minus(jobs).0, &limit],
+        &format!(
+            "SELECT id FROM jobs WHERE {state_filter} AND finished_at < $1 \
+             LIMIT $2 FOR UPDATE SKIP LOCKED"
+        ),
+        &[&now.minus(keep).0, &limit],
     )
     .await?
     .iter()
@@ -2136,30 +2212,7 @@ async fn sweep_step<C: GenericClient>(
         .await?;
         exec(c, "DELETE FROM jobs WHERE id = ANY($1::text[])", &[&ids]).await?;
     }
-    let fences_removed = exec(
-        c,
-        "DELETE FROM fences WHERE (namespace, kind, key) IN \
-         (SELECT namespace, kind, key FROM fences WHERE state = 'done' AND updated_at < $1 \
-          LIMIT $2 FOR UPDATE SKIP LOCKED)",
-        &[&now.minus(fences).0, &limit],
-    )
-    .await?;
-    // A dedup row whose hold expired and whose job is no longer live.
-    let dedup_removed = exec(
-        c,
-        "DELETE FROM dedup WHERE (queue, key) IN (SELECT d.queue, d.key FROM dedup d \
-           LEFT JOIN jobs j ON j.id = d.job_id \
-           WHERE (d.hold_until IS NULL OR d.hold_until <= $1) \
-             AND (j.id IS NULL OR j.state NOT IN ('waiting', 'active')) \
-           LIMIT $2 FOR UPDATE OF d SKIP LOCKED)",
-        &[&now.0, &limit],
-    )
-    .await?;
-    Ok(Swept {
-        jobs: ids.len() as u64,
-        fences: fences_removed,
-        dedup_keys: dedup_removed,
-    })
+    Ok(ids.len() as u64)
 }
 
 // -- kv and index -----------------------------------------------------------
@@ -3016,14 +3069,11 @@ impl Store for PostgresStore {
     async fn sweep(
         &self,
         now: Millis,
-        jobs: Duration,
-        fences: Duration,
+        rules: &RetentionRules,
         limit: u32,
     ) -> Result<Swept, StoreError> {
-        step!(self, Mode::Write, |tx| sweep_step(
-            &tx, now, jobs, fences, limit
-        )
-        .await)
+        step!(self, Mode::Write, |tx| sweep_step(&tx, now, rules, limit)
+            .await)
     }
 
     async fn kv_get(
@@ -3047,14 +3097,16 @@ impl Store for PostgresStore {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<(), StoreError> {
         step!(self, Mode::Write, |tx| {
             check_lease(&tx, lease, true).await?;
             exec(
                 &tx,
-                "INSERT INTO kv (namespace, key, value) VALUES ($1, $2, $3) \
-                 ON CONFLICT (namespace, key) DO UPDATE SET value = EXCLUDED.value",
-                &[&ns, &key, &value],
+                "INSERT INTO kv (namespace, key, value, written_at) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (namespace, key) DO UPDATE \
+                 SET value = EXCLUDED.value, written_at = EXCLUDED.written_at",
+                &[&ns, &key, &value, &now.0],
             )
             .await?;
             Ok(())
@@ -3067,14 +3119,15 @@ impl Store for PostgresStore {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<bool, StoreError> {
         step!(self, Mode::Write, |tx| {
             check_lease(&tx, lease, true).await?;
             let n = exec(
                 &tx,
-                "INSERT INTO kv (namespace, key, value) VALUES ($1, $2, $3) \
+                "INSERT INTO kv (namespace, key, value, written_at) VALUES ($1, $2, $3, $4) \
                  ON CONFLICT (namespace, key) DO NOTHING",
-                &[&ns, &key, &value],
+                &[&ns, &key, &value, &now.0],
             )
             .await?;
             Ok(n == 1)
@@ -3532,7 +3585,7 @@ async fn export_page<C: GenericClient>(
         Section::Kv => {
             let found = page_rows(
                 c,
-                "SELECT namespace, key, value FROM kv",
+                "SELECT namespace, key, value, written_at FROM kv",
                 &["namespace", "key"],
                 cursor,
                 limit,
@@ -3545,6 +3598,7 @@ async fn export_page<C: GenericClient>(
                         namespace: r.try_get(0)?,
                         key: r.try_get(1)?,
                         value: r.try_get(2)?,
+                        written_at: Millis(r.try_get(3)?),
                     })
                 })
                 .collect::<Result<Vec<_>, Fail>>()?;
@@ -3714,12 +3768,15 @@ async fn import_page<C: GenericClient>(c: &C, records: &[copy::Record]) -> Resul
                 ],
             )
             .await?,
-            Record::Kv(k) => exec(
-                c,
-                "INSERT INTO kv (namespace, key, value) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-                &[&k.namespace, &k.key, &k.value],
-            )
-            .await?,
+            Record::Kv(k) => {
+                exec(
+                    c,
+                    "INSERT INTO kv (namespace, key, value, written_at) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT DO NOTHING",
+                    &[&k.namespace, &k.key, &k.value, &k.written_at.0],
+                )
+                .await?
+            }
             Record::Index(i) => {
                 exec(
                     c,
@@ -3991,7 +4048,7 @@ mod tests {
         a.enqueue(vec![new_job("j", t0, 3)], t0).await.unwrap();
         let l = a.lease("q", 1, "v1", t0).await.unwrap().remove(0);
         let f = l.fence();
-        a.kv_put(&f, "ns", "k", b"1".to_vec()).await.unwrap();
+        a.kv_put(&f, "ns", "k", b"1".to_vec(), t0).await.unwrap();
         // A live lease is not reclaimed, neither at start nor periodically.
         assert_eq!(b.recover(t0).await.unwrap(), 0);
         assert_eq!(b.reclaim_expired(t0).await.unwrap(), 0);
@@ -4001,7 +4058,7 @@ mod tests {
         let fenced = |r: Result<(), StoreError>| {
             assert!(matches!(r, Err(StoreError::Fenced { .. })), "{r:?}");
         };
-        fenced(a.kv_put(&f, "ns", "k", b"2".to_vec()).await);
+        fenced(a.kv_put(&f, "ns", "k", b"2".to_vec(), t0).await);
         fenced(a.kv_get(&f, "ns", "k").await.map(|_| ()));
         fenced(a.index_upsert(&f, "c", "d", "{}", 1, t0).await.map(|_| ()));
         let fid = crate::store::FenceId {

@@ -22,10 +22,13 @@
 //! | `by_state` | str queue, str stored state, u64 seq | job id — pages of one queue and state |
 //! | `active` | job id | empty — the jobs crash recovery visits |
 //! | `finished` | i64 finished_at, job id | job id — completed and cancelled jobs, for retention |
+//! | `dead` | i64 finished_at, job id | job id — dead jobs, for retention |
 //! | `dedup` | str queue, str key | [`DedupRec`] |
 //! | `counts` | str queue, str stored state | u64 jobs |
-//! | `kv` | str namespace, str key | the value |
+//! | `kv` | str namespace, str key | i64 written_at, then the value |
+//! | `kv_by_time` | str namespace, i64 written_at, str key | kv key — for retention |
 //! | `index` | str collection, str id | [`DocRec`] (document `None`: a tombstone) |
+//! | `tombstones` | i64 updated_at, index key | index key — for retention |
 //! | `fences` | str namespace, str kind, str key | [`FenceRec`] |
 //! | `fences_by_time` | i64 updated_at, fence key | fence key |
 //! | `effects` | str job id, u32 attempt, u32 n | [`EffectRec`] |
@@ -91,7 +94,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
-    RESOLVED_BY_OPERATOR, Resolution, Store, StoreError, Swept, UpsertOutcome,
+    RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -102,7 +105,11 @@ use crate::job::{
 const MAX_GROUP: usize = 1024;
 
 /// The key layout this build writes (the trees above).
-pub const LAYOUT_VERSION: u64 = 1;
+///
+/// Version 2 added `dead`, `kv_by_time` and `tombstones` and the written
+/// time before each kv value; [`migrate_layout`] brings a version 1 ledger
+/// there in one transaction when it opens.
+pub const LAYOUT_VERSION: u64 = 2;
 
 /// The sled database's directory inside `data_dir`.
 pub const DIR_NAME: &str = "ledger.sled";
@@ -123,8 +130,11 @@ const INDEX: usize = 12;
 const FENCES: usize = 13;
 const FENCES_BY_TIME: usize = 14;
 const EFFECTS: usize = 15;
+const DEAD: usize = 16;
+const KV_BY_TIME: usize = 17;
+const TOMBSTONES: usize = 18;
 
-const TREE_NAMES: [&str; 16] = [
+const TREE_NAMES: [&str; 19] = [
     "meta",
     "jobs",
     "attempts",
@@ -141,6 +151,9 @@ const TREE_NAMES: [&str; 16] = [
     "fences",
     "fences_by_time",
     "effects",
+    "dead",
+    "kv_by_time",
+    "tombstones",
 ];
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -205,6 +218,31 @@ fn finished_key(at: Millis, id: &str) -> Vec<u8> {
     k
 }
 
+fn kv_time_key(ns: &str, written_at: Millis, key: &str) -> Vec<u8> {
+    let mut k = strs(&[ns]);
+    put_i64(&mut k, written_at.0);
+    put_str(&mut k, key);
+    k
+}
+
+/// A kv value as stored: its write time, then its bytes.
+fn kv_value(written_at: Millis, value: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8 + value.len());
+    put_i64(&mut v, written_at.0);
+    v.extend_from_slice(value);
+    v
+}
+
+/// The write time and bytes of a stored kv value.
+fn split_kv_value(stored: &[u8]) -> Result<(Millis, &[u8]), StoreError> {
+    match (get_i64(stored), stored.get(8..)) {
+        (Some(at), Some(value)) => Ok((Millis(at), value)),
+        _ => Err(unavailable(
+            "sled: a kv value shorter than its written time: the ledger is damaged",
+        )),
+    }
+}
+
 fn attempt_key(job_id: &str, number: u32) -> Vec<u8> {
     let mut k = strs(&[job_id]);
     k.extend_from_slice(&number.to_be_bytes());
@@ -215,6 +253,8 @@ fn fence_key(id: &FenceId) -> Vec<u8> {
     strs(&[&id.namespace, &id.kind, &id.key])
 }
 
+/// A time-ordered entry of `fences_by_time` or `tombstones`: the time, then
+/// the key of the record it points at.
 fn fence_time_key(updated_at: Millis, fence_key: &[u8]) -> Vec<u8> {
     let mut k = Vec::new();
     put_i64(&mut k, updated_at.0);
@@ -296,7 +336,11 @@ impl JobRec {
                     out.push((FINISHED, finished_key(at, &self.id), id));
                 }
             }
-            JobState::Dead => {}
+            JobState::Dead => {
+                if let Some(at) = self.finished_at {
+                    out.push((DEAD, finished_key(at, &self.id), id));
+                }
+            }
         }
         out
     }
@@ -583,6 +627,54 @@ impl Tx {
         }
     }
 
+    /// The kv entry `ns`/`key`: its write time and value.
+    fn kv(&self, ns: &str, key: &str) -> Result<Option<(Millis, Vec<u8>)>, StoreError> {
+        match self.get(KV, &strs(&[ns, key]))? {
+            Some(stored) => {
+                let (at, value) = split_kv_value(&stored)?;
+                Ok(Some((at, value.to_vec())))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Replaces the kv entry `ns`/`key` (written at `old`, if it exists)
+    /// with `new`, keeping `kv_by_time`.
+    fn put_kv(&mut self, ns: &str, key: &str, old: Option<Millis>, new: Option<(Millis, &[u8])>) {
+        if let Some(at) = old {
+            self.remove(KV_BY_TIME, kv_time_key(ns, at, key));
+        }
+        let k = strs(&[ns, key]);
+        match new {
+            Some((at, value)) => {
+                self.insert(KV_BY_TIME, kv_time_key(ns, at, key), k.clone());
+                self.insert(KV, k, kv_value(at, value));
+            }
+            None => self.remove(KV, k),
+        }
+    }
+
+    /// Replaces the index entry `key` (`old`, if it exists) with `new`,
+    /// keeping `tombstones`.
+    fn put_doc(&mut self, key: Vec<u8>, old: Option<&DocRec>, new: Option<&DocRec>) {
+        if let Some(old) = old.filter(|d| d.document.is_none()) {
+            self.remove(TOMBSTONES, fence_time_key(old.updated_at, &key));
+        }
+        match new {
+            Some(new) => {
+                if new.document.is_none() {
+                    self.insert(
+                        TOMBSTONES,
+                        fence_time_key(new.updated_at, &key),
+                        key.clone(),
+                    );
+                }
+                self.insert(INDEX, key, encode(new));
+            }
+            None => self.remove(INDEX, key),
+        }
+    }
+
     /// Applies the writes in one sled transaction over the trees they touch.
     fn commit(self) -> Result<(), StoreError> {
         if self.writes.is_empty() {
@@ -680,17 +772,19 @@ impl Writer {
         if self.halt.reason().is_some() {
             return Err(self.halt.error());
         }
-        let done = self
-            .trees
-            .db
-            .flush()
-            .map_err(sled_err)
-            .and_then(|_| self.sync_blobs())
-            .and_then(|()| {
-                self.data_file
-                    .sync_data()
-                    .map_err(|e| unavailable(format!("fdatasync of sled's data file: {e}")))
-            });
+        let halt = self.halt.clone();
+        let done = halt.committing(|| {
+            self.trees
+                .db
+                .flush()
+                .map_err(sled_err)
+                .and_then(|_| self.sync_blobs())
+                .and_then(|()| {
+                    self.data_file
+                        .sync_data()
+                        .map_err(|e| unavailable(format!("fdatasync of sled's data file: {e}")))
+                })
+        });
         if let Err(e) = &done {
             tracing::error!(error = %e, "the sled ledger could not be made durable; it refuses every step from now on");
             self.halt.set(format!("a flush or sync failed: {e}"));
@@ -799,6 +893,11 @@ impl Drop for SledStore {
     /// is closed (and its files unlocked) once the store is gone.
     fn drop(&mut self) {
         self.tx.take();
+        // A writer stuck in a flush (a full disk) never returns: it is left
+        // to the process's exit.
+        if self.halt.reason().is_some() {
+            return;
+        }
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }
@@ -868,6 +967,7 @@ impl SledStore {
                     path.display()
                 )));
             }
+            Some(1) => migrate_layout(&trees, Millis::now())?,
             Some(_) => {}
             None => {
                 trees.t[META]
@@ -930,8 +1030,7 @@ impl SledStore {
             .ok_or_else(|| unavailable("the ledger writer has stopped"))?
             .send(Request { step, durable })
             .map_err(|_| unavailable("the ledger writer has stopped"))?;
-        rx.await
-            .map_err(|_| unavailable("the ledger writer has stopped"))?
+        self.halt.answer(rx).await
     }
 
     /// Runs `f` on the trees on the blocking pool.
@@ -1285,19 +1384,144 @@ fn retry_step(tx: &mut Tx, id: &str, now: Millis) -> Result<Job, StoreError> {
     Ok(new.to_job(now))
 }
 
+/// Brings a layout 1 ledger to layout 2 in one transaction (the layout
+/// number with it, so that a crash leaves version 1 whole): `dead` and
+/// `tombstones` entries for what exists, and every kv value prefixed with
+/// `now` as its written time. The writer's first flush makes it durable.
+fn migrate_layout(trees: &Arc<Trees>, now: Millis) -> Result<(), StoreError> {
+    let mut tx = Tx {
+        trees: Arc::clone(trees),
+        writes: BTreeMap::new(),
+        next_token: 0,
+        next_seq: 0,
+    };
+    for entry in trees.t[JOBS].iter() {
+        let (k, v) = entry.map_err(sled_err)?;
+        let job: JobRec = decode(JOBS, &k, &v)?;
+        if job.state == JobState::Dead {
+            for (tree, key, value) in job.derived() {
+                if tree == DEAD {
+                    tx.insert(tree, key, value);
+                }
+            }
+        }
+    }
+    for entry in trees.t[KV].iter() {
+        let (k, v) = entry.map_err(sled_err)?;
+        let (ns, rest) = split_str(&k).ok_or_else(|| corrupt(KV, &k))?;
+        let (key, _) = split_str(rest).ok_or_else(|| corrupt(KV, &k))?;
+        tx.put_kv(ns, key, None, Some((now, &v)));
+    }
+    for entry in trees.t[INDEX].iter() {
+        let (k, v) = entry.map_err(sled_err)?;
+        let doc: DocRec = decode(INDEX, &k, &v)?;
+        tx.put_doc(k.to_vec(), None, Some(&doc));
+    }
+    tx.insert(
+        META,
+        b"layout".to_vec(),
+        LAYOUT_VERSION.to_be_bytes().to_vec(),
+    );
+    tx.commit()
+}
+
 fn sweep_step(
     tx: &mut Tx,
     now: Millis,
-    jobs: Duration,
-    fences: Duration,
+    rules: &RetentionRules,
     limit: u32,
 ) -> Result<Swept, StoreError> {
     let trees = Arc::clone(&tx.trees);
     let limit = limit as usize;
-    let mut cutoff = Vec::new();
-    put_i64(&mut cutoff, now.minus(jobs).0);
-    let ids: Vec<String> = trees.t[FINISHED]
-        .range(..cutoff)
+    let mut swept = Swept {
+        jobs: sweep_jobs(tx, FINISHED, now.minus(rules.jobs), now, limit)?,
+        dead_jobs: sweep_jobs(tx, DEAD, now.minus(rules.dead), now, limit)?,
+        ..Swept::default()
+    };
+    for entry in trees.t[FENCES_BY_TIME].range(..time_cutoff(now.minus(rules.fences))) {
+        if swept.fences as usize >= limit {
+            break;
+        }
+        let (_, key) = entry.map_err(sled_err)?;
+        if let Some(f) = tx.get_rec::<FenceRec>(FENCES, &key)?
+            && f.state == FenceState::Done
+        {
+            tx.put_fence(Some(&f), None);
+            swept.fences += 1;
+        }
+    }
+    // A dedup row whose hold expired and whose job is no longer live.
+    for entry in trees.t[DEDUP].iter() {
+        if swept.dedup_keys as usize >= limit {
+            break;
+        }
+        let (k, _) = entry.map_err(sled_err)?;
+        let Some(d) = tx.get_rec::<DedupRec>(DEDUP, &k)? else {
+            continue;
+        };
+        let live = tx
+            .job(&d.job_id)?
+            .is_some_and(|j| matches!(j.state, JobState::Waiting | JobState::Active));
+        if d.hold_until.is_none_or(|h| h <= now) && !live {
+            tx.remove(DEDUP, k.to_vec());
+            swept.dedup_keys += 1;
+        }
+    }
+    let before = now.minus(rules.tombstones);
+    for entry in trees.t[TOMBSTONES].range(..time_cutoff(before)).take(limit) {
+        let (entry_key, key) = entry.map_err(sled_err)?;
+        match tx.get_rec::<DocRec>(INDEX, &key)? {
+            Some(d) if d.document.is_none() && d.updated_at < before => {
+                tx.put_doc(key.to_vec(), Some(&d), None);
+            }
+            // Written again since: only this entry was left.
+            _ => tx.remove(TOMBSTONES, entry_key.to_vec()),
+        }
+        swept.tombstones += 1;
+    }
+    for (ns, keep) in &rules.kv {
+        let before = now.minus(*keep);
+        let from = strs(&[ns]);
+        let mut to = from.clone();
+        put_i64(&mut to, before.0);
+        let room = limit.saturating_sub(swept.kv as usize);
+        for entry in trees.t[KV_BY_TIME].range(from..to).take(room) {
+            let (entry_key, kv_key) = entry.map_err(sled_err)?;
+            let key = split_str(&kv_key)
+                .and_then(|(_, rest)| split_str(rest))
+                .ok_or_else(|| corrupt(KV_BY_TIME, &entry_key))?
+                .0;
+            match tx.kv(ns, key)? {
+                Some((at, _)) if at < before => tx.put_kv(ns, key, Some(at), None),
+                // Written again since: only this entry was left.
+                _ => tx.remove(KV_BY_TIME, entry_key.to_vec()),
+            }
+            swept.kv += 1;
+        }
+    }
+    Ok(swept)
+}
+
+/// The bound of a time-ordered tree's range before `at`.
+fn time_cutoff(at: Millis) -> Vec<u8> {
+    let mut k = Vec::new();
+    put_i64(&mut k, at.0);
+    k
+}
+
+/// Removes up to `limit` jobs of the time-ordered tree `by_time`
+/// (`finished` or `dead`) that finished before `before`, with their
+/// attempts and effects, releasing their dedup keys. Returns how many.
+fn sweep_jobs(
+    tx: &mut Tx,
+    by_time: usize,
+    before: Millis,
+    now: Millis,
+    limit: usize,
+) -> Result<u64, StoreError> {
+    let trees = Arc::clone(&tx.trees);
+    let ids: Vec<String> = trees.t[by_time]
+        .range(..time_cutoff(before))
         .values()
         .take(limit)
         .map(|v| v.map(|v| String::from_utf8_lossy(&v).into_owned()))
@@ -1313,44 +1537,7 @@ fn sweep_step(
         }
         tx.put_job(Some(&job), None)?;
     }
-    let mut fence_cutoff = Vec::new();
-    put_i64(&mut fence_cutoff, now.minus(fences).0);
-    let mut fences_removed = 0u64;
-    for entry in trees.t[FENCES_BY_TIME].range(..fence_cutoff) {
-        if fences_removed as usize >= limit {
-            break;
-        }
-        let (_, key) = entry.map_err(sled_err)?;
-        if let Some(f) = tx.get_rec::<FenceRec>(FENCES, &key)?
-            && f.state == FenceState::Done
-        {
-            tx.put_fence(Some(&f), None);
-            fences_removed += 1;
-        }
-    }
-    // A dedup row whose hold expired and whose job is no longer live.
-    let mut dedup_removed = 0u64;
-    for entry in trees.t[DEDUP].iter() {
-        if dedup_removed as usize >= limit {
-            break;
-        }
-        let (k, _) = entry.map_err(sled_err)?;
-        let Some(d) = tx.get_rec::<DedupRec>(DEDUP, &k)? else {
-            continue;
-        };
-        let live = tx
-            .job(&d.job_id)?
-            .is_some_and(|j| matches!(j.state, JobState::Waiting | JobState::Active));
-        if d.hold_until.is_none_or(|h| h <= now) && !live {
-            tx.remove(DEDUP, k.to_vec());
-            dedup_removed += 1;
-        }
-    }
-    Ok(Swept {
-        jobs: ids.len() as u64,
-        fences: fences_removed,
-        dedup_keys: dedup_removed,
-    })
+    Ok(ids.len() as u64)
 }
 
 fn index_read(tx: &Tx, collection: &str, id: &str) -> Result<Option<DocRec>, StoreError> {
@@ -1690,11 +1877,11 @@ impl Store for SledStore {
     async fn sweep(
         &self,
         now: Millis,
-        jobs: Duration,
-        fences: Duration,
+        rules: &RetentionRules,
         limit: u32,
     ) -> Result<Swept, StoreError> {
-        self.write(true, move |tx| sweep_step(tx, now, jobs, fences, limit))
+        let rules = rules.clone();
+        self.write(true, move |tx| sweep_step(tx, now, &rules, limit))
             .await
     }
 
@@ -1707,7 +1894,10 @@ impl Store for SledStore {
         let (lease, k) = (lease.clone(), strs(&[ns, key]));
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            tx.get(KV, &k)
+            match tx.get(KV, &k)? {
+                Some(stored) => Ok(Some(split_kv_value(&stored)?.1.to_vec())),
+                None => Ok(None),
+            }
         })
         .await
     }
@@ -1718,11 +1908,13 @@ impl Store for SledStore {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<(), StoreError> {
-        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            tx.insert(KV, k, value);
+            let old = tx.kv(&ns, &key)?.map(|(at, _)| at);
+            tx.put_kv(&ns, &key, old, Some((now, &value)));
             Ok(())
         })
         .await
@@ -1734,27 +1926,28 @@ impl Store for SledStore {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<bool, StoreError> {
-        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            if tx.get(KV, &k)?.is_some() {
+            if tx.get(KV, &strs(&[&ns, &key]))?.is_some() {
                 return Ok(false);
             }
-            tx.insert(KV, k, value);
+            tx.put_kv(&ns, &key, None, Some((now, &value)));
             Ok(true)
         })
         .await
     }
 
     async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError> {
-        let (lease, k) = (lease.clone(), strs(&[ns, key]));
+        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            if tx.get(KV, &k)?.is_none() {
+            let Some((at, _)) = tx.kv(&ns, &key)? else {
                 return Ok(false);
-            }
-            tx.remove(KV, k);
+            };
+            tx.put_kv(&ns, &key, Some(at), None);
             Ok(true)
         })
         .await
@@ -1777,7 +1970,8 @@ impl Store for SledStore {
         );
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            let outcome = match index_read(tx, &collection, &id)? {
+            let current = index_read(tx, &collection, &id)?;
+            let outcome = match &current {
                 Some(d) if d.version > version => return Ok(UpsertOutcome::Stale),
                 Some(d) if d.version == version && d.document.is_some() => {
                     return Ok(UpsertOutcome::Unchanged);
@@ -1791,7 +1985,7 @@ impl Store for SledStore {
                 document: Some(document),
                 updated_at: now,
             };
-            tx.insert(INDEX, strs(&[&collection, &id]), encode(&rec));
+            tx.put_doc(strs(&[&collection, &id]), current.as_ref(), Some(&rec));
             Ok(outcome)
         })
         .await
@@ -1808,7 +2002,8 @@ impl Store for SledStore {
         let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            let removed = match index_read(tx, &collection, &id)? {
+            let current = index_read(tx, &collection, &id)?;
+            let removed = match &current {
                 Some(d) if d.version > version => return Ok(false),
                 Some(d) => d.document.is_some(),
                 None => false,
@@ -1818,7 +2013,7 @@ impl Store for SledStore {
                 document: None,
                 updated_at: now,
             };
-            tx.insert(INDEX, strs(&[&collection, &id]), encode(&rec));
+            tx.put_doc(strs(&[&collection, &id]), current.as_ref(), Some(&rec));
             Ok(removed)
         })
         .await
@@ -2138,10 +2333,12 @@ fn export_page(
             decode(FENCES, &strs(key), v).map(Record::Fence)
         })?,
         Section::Kv => page_of(t, KV, cursor, limit, 2, |key, v| {
+            let (written_at, value) = split_kv_value(v)?;
             Ok(Record::Kv(copy::KvRecord {
                 namespace: key[0].to_owned(),
                 key: key[1].to_owned(),
-                value: v.to_vec(),
+                value: value.to_vec(),
+                written_at,
             }))
         })?,
         Section::Index => page_of(t, INDEX, cursor, limit, 2, |key, v| {
@@ -2240,10 +2437,9 @@ fn import_step(tx: &mut Tx, records: &[copy::Record]) -> Result<(), StoreError> 
                 taken
             }
             Record::Kv(k) => {
-                let key = strs(&[&k.namespace, &k.key]);
-                let taken = tx.get(KV, &key)?.is_some();
+                let taken = tx.get(KV, &strs(&[&k.namespace, &k.key]))?.is_some();
                 if !taken {
-                    tx.insert(KV, key, k.value.clone());
+                    tx.put_kv(&k.namespace, &k.key, None, Some((k.written_at, &k.value)));
                 }
                 taken
             }
@@ -2256,7 +2452,7 @@ fn import_step(tx: &mut Tx, records: &[copy::Record]) -> Result<(), StoreError> 
                         document: i.document.clone(),
                         updated_at: i.updated_at,
                     };
-                    tx.insert(INDEX, key, encode(&rec));
+                    tx.put_doc(key, None, Some(&rec));
                 }
                 taken
             }
@@ -2400,6 +2596,90 @@ mod tests {
             page.jobs[0].id, "c",
             "a new job's seq is above the old ones"
         );
+    }
+
+    /// A layout 1 ledger (no dead, kv_by_time or tombstones trees; kv
+    /// values without their write time) is brought to layout 2 when it
+    /// opens: its kv reads as before and retention finds its dead jobs, kv
+    /// entries and tombstones.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_layout_1_ledger_is_migrated_when_it_opens() {
+        use std::time::Duration;
+
+        use super::{DIR_NAME, LAYOUT_VERSION, split_kv_value};
+        use crate::job::{AttemptOutcome, Finish, Millis, NewJob};
+        use crate::store::RetentionRules;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let t0 = Millis(1_700_000_000_000);
+        let job = |id: &str| NewJob {
+            queue: "q".into(),
+            id: Some(id.into()),
+            payload: "{}".into(),
+            priority: 0,
+            run_at: t0,
+            max_attempts: 1,
+            dedup_key: None,
+            dedup_for: None,
+        };
+        {
+            let s = SledStore::open(dir.path()).expect("open");
+            s.enqueue(vec![job("a")], t0).await.unwrap();
+            let l = s.lease("q", 1, "v1", t0).await.unwrap().remove(0).fence();
+            s.kv_put(&l, "ns", "k", b"value".to_vec(), t0)
+                .await
+                .unwrap();
+            s.index_upsert(&l, "docs", "d", "{}", 1, t0).await.unwrap();
+            assert!(s.index_remove(&l, "docs", "d", 2, t0).await.unwrap());
+            let fail = Finish::Fail {
+                outcome: AttemptOutcome::Failed,
+                error: "x".into(),
+            };
+            s.finish(&l, fail, t0).await.unwrap();
+        }
+        // Rewrite it as layout 1 wrote it.
+        {
+            let db = sled::open(dir.path().join(DIR_NAME)).expect("sled");
+            for name in ["dead", "kv_by_time", "tombstones"] {
+                db.open_tree(name).unwrap().clear().unwrap();
+            }
+            let kv = db.open_tree("kv").unwrap();
+            for entry in kv.iter() {
+                let (k, v) = entry.unwrap();
+                let (_, bare) = split_kv_value(&v).unwrap();
+                kv.insert(k, bare).unwrap();
+            }
+            let meta = db.open_tree("meta").unwrap();
+            meta.insert(b"layout", &1u64.to_be_bytes()).unwrap();
+            db.flush().unwrap();
+        }
+        let s = SledStore::open(dir.path()).expect("reopen migrates");
+        assert_eq!(s.trees.meta("layout").unwrap(), Some(LAYOUT_VERSION));
+        s.enqueue(vec![job("b")], t0).await.unwrap();
+        let l = s.lease("q", 1, "v1", t0).await.unwrap().remove(0).fence();
+        assert_eq!(
+            s.kv_get(&l, "ns", "k").await.unwrap().as_deref(),
+            Some(&b"value"[..]),
+            "kv reads as before"
+        );
+        let day = Duration::from_secs(86_400);
+        let rules = RetentionRules {
+            jobs: day,
+            dead: day,
+            fences: day,
+            tombstones: day,
+            kv: vec![("ns".into(), day)],
+        };
+        // Dead jobs and tombstones keep their times; a layout 1 kv entry had
+        // none, and counts from the migration.
+        let swept = s.sweep(t0.plus(day * 2), &rules, 100).await.unwrap();
+        assert_eq!(
+            (swept.dead_jobs, swept.kv, swept.tombstones),
+            (1, 0, 1),
+            "{swept:?}"
+        );
+        let far = Millis::now().plus(day * 2);
+        let swept = s.sweep(far, &rules, 100).await.unwrap();
+        assert_eq!(swept.kv, 1, "{swept:?}");
     }
 
     #[test]

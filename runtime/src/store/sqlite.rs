@@ -31,7 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
-    RESOLVED_BY_OPERATOR, Resolution, Store, StoreError, Swept, UpsertOutcome,
+    RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -44,7 +44,7 @@ const MAX_GROUP: usize = 1024;
 const READERS: usize = 4;
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// The schema, one entry per version; entry `i` moves version `i` to `i + 1`.
 const MIGRATIONS: &[&str] = &[
@@ -175,6 +175,15 @@ END;
 "#,
     r#"
 ALTER TABLE attempts ADD COLUMN plugin_version TEXT;
+"#,
+    r#"
+-- Retention of dead jobs, kv entries and index tombstones: a kv entry's last
+-- write (entries from before this version count as written now).
+ALTER TABLE kv ADD COLUMN written_at INTEGER NOT NULL DEFAULT 0;
+UPDATE kv SET written_at = CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER);
+CREATE INDEX kv_written ON kv (namespace, written_at);
+CREATE INDEX jobs_dead ON jobs (finished_at) WHERE state = 'dead';
+CREATE INDEX index_tombstones ON index_docs (updated_at) WHERE document IS NULL;
 "#,
 ];
 
@@ -346,7 +355,7 @@ impl SqliteStore {
         self.tx
             .send(Request { step, durable })
             .map_err(|_| self.halt.error())?;
-        rx.await.map_err(|_| self.halt.error())?
+        self.halt.answer(rx).await
     }
 
     /// Runs `f` on a reader connection on the blocking pool.
@@ -435,7 +444,10 @@ fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>, halt: &H
         let started = Instant::now();
         let committed = persist_counters(&w, token_before, seq_before)
             .and_then(|()| injected_commit_failure())
-            .and_then(|()| w.conn.execute_batch("COMMIT").map_err(StoreError::from));
+            .and_then(|()| {
+                halt.committing(|| w.conn.execute_batch("COMMIT"))
+                    .map_err(StoreError::from)
+            });
         metrics::histogram!("khata_store_commit_seconds").record(started.elapsed().as_secs_f64());
         metrics::histogram!("khata_store_commit_steps").record(durable_answers.len() as f64);
         if let Err(e) = &committed {
@@ -948,18 +960,80 @@ fn retry_step(w: &mut Writer, id: &str, now: Millis) -> Result<Job, StoreError> 
 fn sweep_step(
     w: &mut Writer,
     now: Millis,
-    jobs: Duration,
-    fences: Duration,
+    rules: &RetentionRules,
     limit: u32,
 ) -> Result<Swept, StoreError> {
     let conn = &w.conn;
-    let cutoff = now.minus(jobs).0;
-    let ids: Vec<String> = conn
+    let mut swept = Swept {
+        jobs: sweep_jobs(
+            conn,
+            now,
+            "jobs_finished",
+            "state IN ('completed', 'cancelled')",
+            rules.jobs,
+            limit,
+        )?,
+        dead_jobs: sweep_jobs(conn, now, "jobs_dead", "state = 'dead'", rules.dead, limit)?,
+        ..Swept::default()
+    };
+    swept.fences = conn
         .prepare_cached(
-            "SELECT id FROM jobs INDEXED BY jobs_finished \
-             WHERE state IN ('completed', 'cancelled') AND finished_at < ?1 LIMIT ?2",
+            "DELETE FROM fences WHERE (namespace, kind, key) IN \
+             (SELECT namespace, kind, key FROM fences WHERE state = 'done' AND updated_at < ?1 LIMIT ?2)",
         )?
-        .query_map(params![cutoff, limit], |r| r.get(0))?
+        .execute(params![now.minus(rules.fences).0, limit])? as u64;
+    // A dedup row whose hold expired and whose job is no longer live.
+    swept.dedup_keys = conn
+        .prepare_cached(
+            "DELETE FROM dedup WHERE (queue, key) IN (SELECT d.queue, d.key FROM dedup d \
+               LEFT JOIN jobs j ON j.id = d.job_id \
+               WHERE (d.hold_until IS NULL OR d.hold_until <= ?1) \
+                 AND (j.id IS NULL OR j.state NOT IN ('waiting', 'active')) LIMIT ?2)",
+        )?
+        .execute(params![now.0, limit])? as u64;
+    swept.tombstones = conn
+        .prepare_cached(
+            "DELETE FROM index_docs WHERE (collection, id) IN (SELECT collection, id \
+               FROM index_docs INDEXED BY index_tombstones \
+               WHERE document IS NULL AND updated_at < ?1 LIMIT ?2)",
+        )?
+        .execute(params![now.minus(rules.tombstones).0, limit])? as u64;
+    for (ns, keep) in &rules.kv {
+        let room = u64::from(limit).saturating_sub(swept.kv);
+        if room == 0 {
+            break;
+        }
+        swept.kv += conn
+            .prepare_cached(
+                "DELETE FROM kv WHERE (namespace, key) IN (SELECT namespace, key \
+                   FROM kv INDEXED BY kv_written \
+                   WHERE namespace = ?1 AND written_at < ?2 LIMIT ?3)",
+            )?
+            .execute(params![
+                ns,
+                now.minus(*keep).0,
+                i64::try_from(room).unwrap_or(i64::MAX)
+            ])? as u64;
+    }
+    Ok(swept)
+}
+
+/// Removes up to `limit` jobs matching `state_filter` (served by `index`)
+/// that finished before `now - keep`, with their attempts and effects,
+/// releasing their dedup keys. Returns how many.
+fn sweep_jobs(
+    conn: &Connection,
+    now: Millis,
+    index: &str,
+    state_filter: &str,
+    keep: Duration,
+    limit: u32,
+) -> Result<u64, StoreError> {
+    let ids: Vec<String> = conn
+        .prepare_cached(&format!(
+            "SELECT id FROM jobs INDEXED BY {index} WHERE {state_filter} AND finished_at < ?1 LIMIT ?2"
+        ))?
+        .query_map(params![now.minus(keep).0, limit], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     for id in &ids {
         release_dedup(conn, id, now)?;
@@ -970,26 +1044,7 @@ fn sweep_step(
         conn.prepare_cached("DELETE FROM jobs WHERE id = ?1")?
             .execute([id])?;
     }
-    let fences_removed = conn
-        .prepare_cached(
-            "DELETE FROM fences WHERE (namespace, kind, key) IN \
-             (SELECT namespace, kind, key FROM fences WHERE state = 'done' AND updated_at < ?1 LIMIT ?2)",
-        )?
-        .execute(params![now.minus(fences).0, limit])?;
-    // A dedup row whose hold expired and whose job is no longer live.
-    let dedup_removed = conn
-        .prepare_cached(
-            "DELETE FROM dedup WHERE (queue, key) IN (SELECT d.queue, d.key FROM dedup d \
-               LEFT JOIN jobs j ON j.id = d.job_id \
-               WHERE (d.hold_until IS NULL OR d.hold_until <= ?1) \
-                 AND (j.id IS NULL OR j.state NOT IN ('waiting', 'active')) LIMIT ?2)",
-        )?
-        .execute(params![now.0, limit])?;
-    Ok(Swept {
-        jobs: ids.len() as u64,
-        fences: fences_removed as u64,
-        dedup_keys: dedup_removed as u64,
-    })
+    Ok(ids.len() as u64)
 }
 
 fn kv_get_step(conn: &Connection, ns: &str, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
@@ -1395,11 +1450,11 @@ impl Store for SqliteStore {
     async fn sweep(
         &self,
         now: Millis,
-        jobs: Duration,
-        fences: Duration,
+        rules: &RetentionRules,
         limit: u32,
     ) -> Result<Swept, StoreError> {
-        self.write(true, move |w| sweep_step(w, now, jobs, fences, limit))
+        let rules = rules.clone();
+        self.write(true, move |w| sweep_step(w, now, &rules, limit))
             .await
     }
 
@@ -1423,15 +1478,16 @@ impl Store for SqliteStore {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<(), StoreError> {
         let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
             w.conn
                 .prepare_cached(
-                    "INSERT OR REPLACE INTO kv (namespace, key, value) VALUES (?1, ?2, ?3)",
+                    "INSERT OR REPLACE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)",
                 )?
-                .execute(params![ns, key, value])?;
+                .execute(params![ns, key, value, now.0])?;
             Ok(())
         })
         .await
@@ -1443,6 +1499,7 @@ impl Store for SqliteStore {
         ns: &str,
         key: &str,
         value: Vec<u8>,
+        now: Millis,
     ) -> Result<bool, StoreError> {
         let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
         self.write(false, move |w| {
@@ -1450,9 +1507,9 @@ impl Store for SqliteStore {
             let n = w
                 .conn
                 .prepare_cached(
-                    "INSERT OR IGNORE INTO kv (namespace, key, value) VALUES (?1, ?2, ?3)",
+                    "INSERT OR IGNORE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)",
                 )?
-                .execute(params![ns, key, value])?;
+                .execute(params![ns, key, value, now.0])?;
             Ok(n == 1)
         })
         .await
@@ -1938,7 +1995,7 @@ fn export_page(
         }
         Section::Kv => {
             let sql = query(
-                "SELECT namespace, key, value FROM kv",
+                "SELECT namespace, key, value, written_at FROM kv",
                 &["namespace", "key"],
             )?;
             let out: Vec<copy::KvRecord> = tx
@@ -1948,6 +2005,7 @@ fn export_page(
                         namespace: r.get(0)?,
                         key: r.get(1)?,
                         value: r.get(2)?,
+                        written_at: Millis(r.get(3)?),
                     })
                 })?
                 .collect::<Result<_, _>>()?;
@@ -2090,8 +2148,10 @@ fn import_step(w: &mut Writer, records: &[copy::Record]) -> Result<(), StoreErro
                     f.updated_at.0,
                 ])?,
             Record::Kv(k) => conn
-                .prepare_cached("INSERT OR IGNORE INTO kv (namespace, key, value) VALUES (?1, ?2, ?3)")?
-                .execute(params![k.namespace, k.key, k.value])?,
+                .prepare_cached(
+                    "INSERT OR IGNORE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![k.namespace, k.key, k.value, k.written_at.0])?,
             Record::Index(i) => conn
                 .prepare_cached(
                     "INSERT OR IGNORE INTO index_docs (collection, id, version, document, updated_at) \
@@ -2221,5 +2281,38 @@ mod tests {
         let counts = store.counts(crate::job::Millis(1)).await.unwrap();
         let q = &counts[0].1;
         assert_eq!((q.waiting, q.completed, q.dead), (2, 1, 1), "{q:?}");
+    }
+
+    /// Migration 4 gives each kv entry of an older ledger a write time (the
+    /// migration's), from which `[retention] kv` counts.
+    #[test]
+    fn migrating_a_version_three_ledger_dates_its_kv_entries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("khata.db");
+        {
+            let conn = rusqlite::Connection::open(&path).unwrap();
+            for sql in &super::MIGRATIONS[..3] {
+                conn.execute_batch(sql).unwrap();
+            }
+            conn.pragma_update(None, "user_version", 3).unwrap();
+            conn.execute(
+                "INSERT INTO kv (namespace, key, value) VALUES ('ns', 'k', x'01')",
+                [],
+            )
+            .unwrap();
+        }
+        let before = crate::job::Millis::now().0;
+        drop(SqliteStore::open(dir.path()).expect("open migrates"));
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let (value, written_at): (Vec<u8>, i64) = conn
+            .query_row("SELECT value, written_at FROM kv", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        assert_eq!(value, [1]);
+        assert!(
+            (before - 1_000..=crate::job::Millis::now().0 + 1_000).contains(&written_at),
+            "written_at {written_at}, migrated at about {before}"
+        );
     }
 }
