@@ -9,8 +9,11 @@
 //! writes the series as a PNG plot.
 //!
 //! Jobs lost: every acknowledged existence-check job leaves a kv entry
-//! `seen:<key>` that retention never removes, so after the run the ledger
-//! must hold one per acknowledged job; every probe job (an `echo` enqueued
+//! `seen:<key>`, written after its acknowledgement, which retention keeps
+//! for three minutes (`[retention] kv = { exists = "3m" }`, so that the
+//! ledger levels off); so after the run the ledger must hold one for each
+//! existence check acknowledged in the last [`CHECKED`] before the daemon
+//! stopped, which no sweep can have reached yet; every probe job (an `echo` enqueued
 //! alone every 100 ms, whose latency is the p99) is looked up 10-20 s after
 //! its acknowledgement, before retention may remove it, and must be
 //! completed or on its way.
@@ -24,7 +27,7 @@ use serde_json::{Value, json};
 
 use super::{Bench, Daemon, Row, millis, note, thousands};
 
-const QUEUES: &str = "[retention]\njobs = \"30s\"\n\n\
+const QUEUES: &str = "[retention]\njobs = \"30s\"\nkv = { exists = \"3m\" }\n\n\
      [queues.echo]\nplugin = \"echo\"\nconcurrency = 16\n\n\
      [queues.exists]\nplugin = \"chaos\"\nconcurrency = 16\ngrants = { kv = true }\n";
 /// Jobs of the drain that measures the maximum rate.
@@ -32,6 +35,10 @@ const MAX_JOBS: usize = 10_000;
 const SAMPLE: Duration = Duration::from_secs(5);
 const KILL_EVERY: Duration = Duration::from_secs(120);
 const TICK: Duration = Duration::from_millis(100);
+/// The existence checks whose `seen:` entries are counted: those
+/// acknowledged this long before the daemon stops, well inside the kv
+/// window of `QUEUES` (3 minutes), so retention cannot have removed them.
+const CHECKED: Duration = Duration::from_secs(150);
 
 /// One sample of the series.
 #[derive(Debug, Clone, Copy)]
@@ -175,6 +182,8 @@ pub async fn figure_soak(
     let mut probes: VecDeque<(String, Instant)> = VecDeque::new();
     let (mut probes_checked, mut probes_lost) = (0usize, 0usize);
     let mut samples: Vec<Sample> = Vec::new();
+    // Existence-check batches: (acknowledged at, first number, how many).
+    let mut checks_acked: Vec<(Instant, usize, usize)> = Vec::new();
     let mut kills = 0;
     while soak_start.elapsed() < run_for {
         let tick = Instant::now();
@@ -194,6 +203,7 @@ pub async fn figure_soak(
         }
         if !checks.is_empty() {
             post_until_taken(&daemon, "exists", &checks).await?;
+            checks_acked.push((Instant::now(), next_x, checks.len()));
             next_x += checks.len();
         }
         // One probe, timed alone.
@@ -306,8 +316,14 @@ pub async fn figure_soak(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     daemon.kill9()?;
-    let seen = count_seen(&data)?;
-    let expected = (next_x + MAX_JOBS / 2) as u64;
+    let cutoff = Instant::now().checked_sub(CHECKED).unwrap_or(soak_start);
+    let keys: Vec<String> = checks_acked
+        .iter()
+        .filter(|(at, ..)| *at >= cutoff)
+        .flat_map(|&(_, first, n)| (first..first + n).map(|i| format!("seen:x-{i}")))
+        .collect();
+    let seen = count_seen(&data, &keys)?;
+    let expected = keys.len() as u64;
     let lost = expected.saturating_sub(seen) + probes_lost as u64;
 
     let half: Vec<&Sample> = samples.iter().skip(samples.len() / 2).collect();
@@ -325,10 +341,12 @@ pub async fn figure_soak(
     );
     draw(plot, &samples).with_context(|| format!("drawing {}", plot.display()))?;
     note(format!(
-        "11: {} jobs acknowledged ({} existence checks, {} found in the ledger; {probes_checked} probes checked), {lost} lost, {kills} kill -9; last half: RSS {rss_slope:+.2} MiB/min, ledger {disk_slope:+.2} MiB/min; plot in {}",
+        "11: {} jobs acknowledged ({} existence checks; of the {} acknowledged in the last {} before the stop, {} found in the ledger; {probes_checked} probes checked), {lost} lost, {kills} kill -9; last half: RSS {rss_slope:+.2} MiB/min, ledger {disk_slope:+.2} MiB/min; plot in {}",
         thousands((next_e + next_x + next_p) as f64),
         thousands(next_x as f64),
-        thousands(seen.saturating_sub((MAX_JOBS / 2) as u64) as f64),
+        thousands(expected as f64),
+        humantime::format_duration(CHECKED),
+        thousands(seen as f64),
         plot.display()
     ));
     let p99_all = {
@@ -359,19 +377,21 @@ pub async fn figure_soak(
     ])
 }
 
-/// Existence-check keys the ledger holds (`seen:<key>` in kv), read from
-/// the stopped daemon's SQLite file.
-fn count_seen(data: &Path) -> anyhow::Result<u64> {
+/// How many of `keys` the ledger holds in the `exists` kv namespace, read
+/// from the stopped daemon's SQLite file.
+fn count_seen(data: &Path, keys: &[String]) -> anyhow::Result<u64> {
     let conn = rusqlite::Connection::open_with_flags(
         data.join("khata.db"),
         rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
     )?;
-    let n: i64 = conn.query_row(
-        "SELECT count(*) FROM kv WHERE namespace = 'exists' AND key LIKE 'seen:%'",
-        [],
-        |r| r.get(0),
-    )?;
-    Ok(u64::try_from(n).unwrap_or(0))
+    let mut held = conn.prepare("SELECT 1 FROM kv WHERE namespace = 'exists' AND key = ?1")?;
+    let mut n = 0;
+    for key in keys {
+        if held.exists([key])? {
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// One series of the plot: its value in a sample.
