@@ -451,7 +451,7 @@ async fn jobs_run_on_the_sled_store_and_survive_a_restart() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("sled: layout version 1"), "{text}");
+    assert!(text.contains("sled: layout version 2"), "{text}");
     d.start().await;
 
     // The kv write of the first run is there: the same key is not new.
