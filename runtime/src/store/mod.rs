@@ -19,6 +19,7 @@
 pub mod conformance;
 pub mod copy;
 pub mod postgres;
+pub mod rules;
 pub mod sled;
 pub mod sqlite;
 

@@ -201,6 +201,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 
+use super::rules::{self, ABANDONED, LEASE_EXPIRED, stored_state, visible_state};
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Held, JobFilter, JobPage, LeaseLimits,
     Leased, PAGE_BYTES, PageBuilder, Resolution, RetentionRules, Store, StoreError, Swept,
@@ -1009,19 +1010,6 @@ fn u64_of(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
-fn stored_state(s: &str) -> JobState {
-    s.parse().unwrap_or(JobState::Dead)
-}
-
-/// The reported state: waiting with `run_at` in the future is delayed.
-fn visible_state(stored: JobState, run_at: Millis, now: Millis) -> JobState {
-    if stored == JobState::Waiting && run_at > now {
-        JobState::Delayed
-    } else {
-        stored
-    }
-}
-
 fn job_from_row(r: &Row, now: Millis) -> Result<Job, Fail> {
     let state: String = r.try_get(2)?;
     let run_at = Millis(r.try_get(9)?);
@@ -1113,13 +1101,11 @@ async fn check_lease<C: GenericClient>(c: &C, lease: &LeaseRef, lock: bool) -> R
 
 /// `Fenced` unless `held` (the job's token, when it is active) is the lease's.
 fn holds(lease: &LeaseRef, held: Option<i64>) -> Result<(), StoreError> {
-    if held == Some(i64_of(lease.token)) {
+    // The query read the token of an active job only.
+    if rules::holds(JobState::Active, held.map(u64_of), lease) {
         Ok(())
     } else {
-        Err(StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
-        })
+        Err(rules::fenced(lease))
     }
 }
 
@@ -1819,7 +1805,7 @@ async fn finish_statements<C: GenericClient>(c: &C, group: &[FinishReq]) -> Resu
     let mut j_id: Vec<&str> = Vec::new();
     let mut j_state: Vec<&str> = Vec::new();
     let mut j_finished: Vec<Option<i64>> = Vec::new();
-    let mut j_result: Vec<Option<&str>> = Vec::new();
+    let mut j_result: Vec<Option<String>> = Vec::new();
     let mut j_error: Vec<Option<String>> = Vec::new();
     let mut j_run_at: Vec<Option<i64>> = Vec::new();
     let mut j_refund: Vec<bool> = Vec::new();
@@ -1839,102 +1825,33 @@ async fn finish_statements<C: GenericClient>(c: &C, group: &[FinishReq]) -> Resu
             answers.push(Err(StoreError::NotFound(lease.job_id.clone())));
             continue;
         };
-        let fenced = || StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
+        let held = rules::Held {
+            state: job.state,
+            budget_used: u32_of(job.budget_used),
+            max_attempts: u32_of(job.max_attempts),
+            holds: rules::holds(job.state, job.token.map(u64_of), lease),
+            expired: !job.unexpired,
         };
-        let (outcome, error) = match &r.finish {
-            Finish::Completed { .. } => (AttemptOutcome::Completed, None),
-            Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
-                (*outcome, Some(error.as_str()))
-            }
-            Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
-        };
-        let mine = job.state == JobState::Active && job.token == Some(i64_of(lease.token));
+        let ending = rules::finish(held, r.finish.clone(), now);
         a_job.push(&lease.job_id);
         a_token.push(i64_of(lease.token));
         a_at.push(now.0);
-        if mine && !job.unexpired {
-            // The lease expired before the attempt ended: what the attempt
-            // did does not count, and the job is reclaimed like any expired
-            // lease.
-            a_outcome.push(AttemptOutcome::Abandoned.as_str());
-            a_error.push(Some(format!(
-                "{LEASE_EXPIRED}; the attempt ended as {} afterwards",
-                outcome.as_str()
-            )));
-            answers.push(Err(fenced()));
+        a_outcome.push(ending.outcome.as_str());
+        answers.push(ending.answer(lease, now));
+        a_error.push(ending.error);
+        let Some(m) = ending.then else {
             continue;
-        }
-        if !mine {
-            // Cancelled (or recovered) meanwhile: record how the attempt
-            // ended, leave the job alone.
-            let outcome = if job.state == JobState::Cancelled {
-                AttemptOutcome::Cancelled
-            } else {
-                outcome
-            };
-            a_outcome.push(outcome.as_str());
-            a_error.push(error.map(str::to_owned));
-            answers.push(Err(fenced()));
-            continue;
-        }
-        a_outcome.push(outcome.as_str());
-        a_error.push(error.map(str::to_owned));
-        wake.insert(&job.queue);
-        let (next, finished, result, error, run_at, refund) = match &r.finish {
-            Finish::Completed { result } => (
-                JobState::Completed,
-                Some(now.0),
-                Some(result.as_str()),
-                None,
-                None,
-                false,
-            ),
-            Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => (
-                JobState::Waiting,
-                None,
-                None,
-                Some(error.clone()),
-                Some(run_at.0),
-                false,
-            ),
-            Finish::Retry { error, .. } => (
-                JobState::Dead,
-                Some(now.0),
-                None,
-                Some(format!(
-                    "{error} (attempt budget of {} used up)",
-                    job.max_attempts
-                )),
-                None,
-                false,
-            ),
-            Finish::Fail { error, .. } => (
-                JobState::Dead,
-                Some(now.0),
-                None,
-                Some(error.clone()),
-                None,
-                false,
-            ),
-            Finish::Interrupted { error } => (
-                JobState::Waiting,
-                None,
-                None,
-                Some(error.clone()),
-                Some(now.0),
-                true,
-            ),
         };
+        wake.insert(&job.queue);
+        let ends = m.ends();
         j_id.push(&lease.job_id);
-        j_state.push(next.as_str());
-        j_finished.push(finished);
-        j_result.push(result);
-        j_error.push(error);
-        j_run_at.push(run_at);
-        j_refund.push(refund);
-        if next == JobState::Waiting {
+        j_state.push(m.state.as_str());
+        j_finished.push(ends.then_some(now.0));
+        j_result.push(m.result);
+        j_error.push(m.error);
+        j_run_at.push(m.run_at.map(|t| t.0));
+        j_refund.push(m.refund);
+        if !ends {
             ready.insert(&job.queue);
         } else if let Some(key) = &job.dedup_key {
             d_queue.push(&job.queue);
@@ -1942,10 +1859,6 @@ async fn finish_statements<C: GenericClient>(c: &C, group: &[FinishReq]) -> Resu
             d_job.push(&lease.job_id);
             d_at.push(now.0);
         }
-        answers.push(Ok(match run_at {
-            Some(t) => visible_state(next, Millis(t), now),
-            None => next,
-        }));
     }
     if a_job.is_empty() {
         return Ok((answers, Vec::new()));
@@ -1986,10 +1899,6 @@ async fn finish_statements<C: GenericClient>(c: &C, group: &[FinishReq]) -> Resu
     .await?;
     Ok((answers, wake))
 }
-
-const ABANDONED: &str = "abandoned: the daemon stopped during this attempt";
-const LEASE_EXPIRED: &str =
-    "abandoned: its lease expired (the daemon holding it stopped renewing it)";
 
 /// Tells every listening daemon that `queue` may have a ready job; sent
 /// when the step's transaction commits (once per queue and transaction).
@@ -2032,10 +1941,11 @@ async fn reclaim_step<C: GenericClient>(
         ids.push(id.clone());
         // Every reclaimed job frees room in its queue's concurrency.
         queues.insert(queue);
-        if used < max {
-            back.push(id);
+        let m = rules::abandon(u32_of(used), u32_of(max), why, now);
+        if m.ends() {
+            dead.push((id, m.error));
         } else {
-            dead.push((id, max));
+            back.push(id);
         }
     }
     exec(
@@ -2054,9 +1964,8 @@ async fn reclaim_step<C: GenericClient>(
         )
         .await?;
     }
-    for (id, max) in &dead {
-        let error = format!("{why} (attempt budget of {max} used up)");
-        end_job(c, id, JobState::Dead, None, Some(&error), now).await?;
+    for (id, error) in &dead {
+        end_job(c, id, JobState::Dead, None, error.as_deref(), now).await?;
     }
     for q in &queues {
         notify(c, q).await?;
@@ -2353,24 +2262,15 @@ async fn lock_fence<C: GenericClient>(c: &C, id: &FenceId) -> Result<Option<Fenc
 
 /// Whether the attempt that wrote `f` still holds its job.
 async fn holder_alive<C: GenericClient>(c: &C, f: &Fence) -> Result<bool, Fail> {
-    let holder = LeaseRef {
-        job_id: f.job_id.clone(),
-        token: f.token,
-    };
-    match check_lease(c, &holder, false).await {
+    match check_lease(c, &rules::holder_lease(f), false).await {
         Ok(()) => Ok(true),
-        Err(Fail::Store(StoreError::Fenced { .. })) => Ok(false),
+        Err(Fail::Store(e)) => Ok(rules::alive::<()>(Err(e))?),
         Err(e) => Err(e),
     }
 }
 
 fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> Fail {
-    Fail::Store(StoreError::InvalidFence {
-        namespace: id.namespace.clone(),
-        kind: id.kind.clone(),
-        key: id.key.clone(),
-        reason: reason.into(),
-    })
+    Fail::Store(rules::invalid_fence(id, reason))
 }
 
 async fn fence_begin_step<C: GenericClient>(
@@ -2409,21 +2309,12 @@ async fn fence_begin_step<C: GenericClient>(
             id.namespace, id.kind, id.key
         )));
     };
-    if f.fingerprint != fingerprint {
-        return Ok(FenceBegin::KeyReused);
-    }
-    Ok(match f.state {
-        FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
-        FenceState::Uncertain => FenceBegin::Uncertain(f),
-        // A guest's host calls are sequential: a fence this very attempt
-        // started belongs to a call that is over, whose outcome is unknown.
-        FenceState::Started if f.job_id == lease.job_id && f.token == lease.token => {
-            FenceBegin::Abandoned(f)
+    Ok(match rules::fence_begin(f, lease, fingerprint) {
+        rules::Begin::Answer(a) => a,
+        rules::Begin::AskHolder(f) => {
+            let alive = holder_alive(c, &f).await?;
+            rules::begin_if_alive(f, alive)
         }
-        FenceState::Started if holder_alive(c, &f).await? => {
-            FenceBegin::InProgress { job_id: f.job_id }
-        }
-        FenceState::Started => FenceBegin::Abandoned(f),
     })
 }
 
@@ -2434,21 +2325,9 @@ async fn owned_or_abandoned<C: GenericClient>(
     lease: &LeaseRef,
     id: &FenceId,
 ) -> Result<Fence, Fail> {
-    let f = lock_fence(c, id)
-        .await?
-        .ok_or_else(|| invalid_fence(id, "no such fence"))?;
-    if f.state != FenceState::Started {
-        return Err(invalid_fence(
-            id,
-            format!("it is {}, not started", f.state.as_str()),
-        ));
-    }
-    let mine = f.job_id == lease.job_id && f.token == lease.token;
-    if !mine && holder_alive(c, &f).await? {
-        return Err(invalid_fence(
-            id,
-            format!("a live attempt of job {:?} holds it", f.job_id),
-        ));
+    let (f, ask) = rules::may_move(lock_fence(c, id).await?, id, lease)?;
+    if ask {
+        rules::moved_if_dead(&f, id, holder_alive(c, &f).await?)?;
     }
     Ok(f)
 }
@@ -2456,9 +2335,7 @@ async fn owned_or_abandoned<C: GenericClient>(
 /// Locks a `started` fence that `lease` itself holds (nobody took it over).
 async fn held_by<C: GenericClient>(c: &C, lease: &LeaseRef, id: &FenceId) -> Result<Fence, Fail> {
     let f = owned_or_abandoned(c, lease, id).await?;
-    if f.token != lease.token {
-        return Err(invalid_fence(id, "another attempt took it over"));
-    }
+    rules::held_by(&f, id, lease)?;
     Ok(f)
 }
 

@@ -92,6 +92,7 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use tokio::sync::{mpsc, oneshot};
 
+use super::rules::{self, invalid_fence, visible_state};
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
     RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
@@ -383,21 +384,7 @@ use super::copy::FenceRecord as FenceRec;
 
 impl FenceRec {
     fn to_fence(&self) -> Fence {
-        Fence {
-            id: FenceId {
-                namespace: self.namespace.clone(),
-                kind: self.kind.clone(),
-                key: self.key.clone(),
-            },
-            state: self.state,
-            fingerprint: self.fingerprint.clone(),
-            job_id: self.job_id.clone(),
-            attempt: self.attempt,
-            token: self.token,
-            result: self.result.clone(),
-            created_at: self.created_at,
-            updated_at: self.updated_at,
-        }
+        rules::FenceRow::into_fence(self.clone())
     }
 }
 
@@ -422,14 +409,6 @@ fn decode<T: DeserializeOwned>(tree: usize, key: &[u8], bytes: &[u8]) -> Result<
             hex::encode(key)
         ))
     })
-}
-
-fn visible_state(stored: JobState, run_at: Millis, now: Millis) -> JobState {
-    if stored == JobState::Waiting && run_at > now {
-        JobState::Delayed
-    } else {
-        stored
-    }
 }
 
 // ---- the trees ----
@@ -1051,11 +1030,8 @@ impl SledStore {
 /// Checks that `lease` holds its job: the job is active under that token.
 fn check_lease(tx: &Tx, lease: &LeaseRef) -> Result<JobRec, StoreError> {
     match tx.job(&lease.job_id)? {
-        Some(j) if j.state == JobState::Active && j.lease_token == Some(lease.token) => Ok(j),
-        _ => Err(StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
-        }),
+        Some(j) if rules::holds(j.state, j.lease_token, lease) => Ok(j),
+        _ => Err(rules::fenced(lease)),
     }
 }
 
@@ -1243,6 +1219,32 @@ fn end_job(
     release_dedup(tx, &new, now)
 }
 
+/// Writes what a rule decided for a job: an end (completed or dead), or
+/// back to waiting at its `run_at`, refunded or not.
+fn move_job(tx: &mut Tx, job: &JobRec, m: rules::Move, now: Millis) -> Result<(), StoreError> {
+    if m.ends() {
+        return end_job(
+            tx,
+            job,
+            m.state,
+            m.result.as_deref(),
+            m.error.as_deref(),
+            now,
+        );
+    }
+    let mut new = job.clone();
+    new.state = JobState::Waiting;
+    new.run_at = m.run_at.unwrap_or(now);
+    if let Some(e) = m.error {
+        new.last_error = Some(e);
+    }
+    new.lease_token = None;
+    if m.refund {
+        new.budget_used = new.budget_used.saturating_sub(1);
+    }
+    tx.put_job(Some(job), Some(&new))
+}
+
 fn finish_step(
     tx: &mut Tx,
     lease: &LeaseRef,
@@ -1250,63 +1252,20 @@ fn finish_step(
     now: Millis,
 ) -> Result<JobState, StoreError> {
     let job = tx.require_job(&lease.job_id)?;
-    let holds = job.state == JobState::Active && job.lease_token == Some(lease.token);
-    let (outcome, error) = match &finish {
-        Finish::Completed { .. } => (AttemptOutcome::Completed, None),
-        Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
-            (*outcome, Some(error.as_str()))
-        }
-        Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
+    let held = rules::Held {
+        state: job.state,
+        budget_used: job.budget_used,
+        max_attempts: job.max_attempts,
+        holds: rules::holds(job.state, job.lease_token, lease),
+        expired: false,
     };
-    if !holds {
-        // Cancelled (or recovered) meanwhile: record how the attempt ended,
-        // leave the job alone.
-        let outcome = if job.state == JobState::Cancelled {
-            AttemptOutcome::Cancelled
-        } else {
-            outcome
-        };
-        close_attempt(tx, lease, outcome, error, now)?;
-        return Err(StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
-        });
+    let mut ending = rules::finish(held, finish, now);
+    close_attempt(tx, lease, ending.outcome, ending.error.as_deref(), now)?;
+    let answer = ending.answer(lease, now);
+    if let Some(m) = ending.then.take() {
+        move_job(tx, &job, m, now)?;
     }
-    close_attempt(tx, lease, outcome, error, now)?;
-    let back_to_waiting = |tx: &mut Tx, run_at: Millis, error: String, refund: bool| {
-        let mut new = job.clone();
-        new.state = JobState::Waiting;
-        new.run_at = run_at;
-        new.last_error = Some(error);
-        new.lease_token = None;
-        if refund {
-            new.budget_used = new.budget_used.saturating_sub(1);
-        }
-        tx.put_job(Some(&job), Some(&new))
-    };
-    Ok(match finish {
-        Finish::Completed { result } => {
-            end_job(tx, &job, JobState::Completed, Some(&result), None, now)?;
-            JobState::Completed
-        }
-        Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => {
-            back_to_waiting(tx, run_at, error, false)?;
-            visible_state(JobState::Waiting, run_at, now)
-        }
-        Finish::Retry { error, .. } => {
-            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
-            end_job(tx, &job, JobState::Dead, None, Some(&error), now)?;
-            JobState::Dead
-        }
-        Finish::Fail { error, .. } => {
-            end_job(tx, &job, JobState::Dead, None, Some(&error), now)?;
-            JobState::Dead
-        }
-        Finish::Interrupted { error } => {
-            back_to_waiting(tx, now, error, true)?;
-            JobState::Waiting
-        }
-    })
+    answer
 }
 
 fn recover_step(tx: &mut Tx, now: Millis) -> Result<u64, StoreError> {
@@ -1317,7 +1276,7 @@ fn recover_step(tx: &mut Tx, now: Millis) -> Result<u64, StoreError> {
         .map(|k| k.map(|k| String::from_utf8_lossy(&k).into_owned()))
         .collect::<Result<_, _>>()
         .map_err(sled_err)?;
-    let error = "abandoned: the daemon stopped during this attempt";
+    let error = rules::ABANDONED;
     for id in &ids {
         let job = tx.require_job(id)?;
         let lease = LeaseRef {
@@ -1325,17 +1284,8 @@ fn recover_step(tx: &mut Tx, now: Millis) -> Result<u64, StoreError> {
             token: job.lease_token.unwrap_or(0),
         };
         close_attempt(tx, &lease, AttemptOutcome::Abandoned, Some(error), now)?;
-        if job.budget_used < job.max_attempts {
-            let mut new = job.clone();
-            new.state = JobState::Waiting;
-            new.run_at = now;
-            new.last_error = Some(error.to_owned());
-            new.lease_token = None;
-            tx.put_job(Some(&job), Some(&new))?;
-        } else {
-            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
-            end_job(tx, &job, JobState::Dead, None, Some(&error), now)?;
-        }
+        let m = rules::abandon(job.budget_used, job.max_attempts, error, now);
+        move_job(tx, &job, m, now)?;
     }
     Ok(ids.len() as u64)
 }
@@ -1546,24 +1496,7 @@ fn index_read(tx: &Tx, collection: &str, id: &str) -> Result<Option<DocRec>, Sto
 
 /// Whether the attempt that wrote `f` still holds its job.
 fn holder_alive(tx: &Tx, f: &FenceRec) -> Result<bool, StoreError> {
-    let holder = LeaseRef {
-        job_id: f.job_id.clone(),
-        token: f.token,
-    };
-    match check_lease(tx, &holder) {
-        Ok(_) => Ok(true),
-        Err(StoreError::Fenced { .. }) => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
-fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> StoreError {
-    StoreError::InvalidFence {
-        namespace: id.namespace.clone(),
-        kind: id.kind.clone(),
-        key: id.key.clone(),
-        reason: reason.into(),
-    }
+    rules::alive(check_lease(tx, &rules::holder_lease(f)))
 }
 
 fn fence_begin_step(
@@ -1592,40 +1525,21 @@ fn fence_begin_step(
         tx.put_fence(None, Some(&f));
         return Ok(FenceBegin::Started);
     };
-    if f.fingerprint != fingerprint {
-        return Ok(FenceBegin::KeyReused);
-    }
-    Ok(match f.state {
-        FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
-        FenceState::Uncertain => FenceBegin::Uncertain(f.to_fence()),
-        // A guest's host calls are sequential: a fence this very attempt
-        // started belongs to a call that is over, whose outcome is unknown.
-        FenceState::Started if f.job_id == lease.job_id && f.token == lease.token => {
-            FenceBegin::Abandoned(f.to_fence())
+    Ok(match rules::fence_begin(f, lease, fingerprint) {
+        rules::Begin::Answer(a) => a,
+        rules::Begin::AskHolder(f) => {
+            let alive = holder_alive(tx, &f)?;
+            rules::begin_if_alive(f, alive)
         }
-        FenceState::Started if holder_alive(tx, &f)? => FenceBegin::InProgress { job_id: f.job_id },
-        FenceState::Started => FenceBegin::Abandoned(f.to_fence()),
     })
 }
 
 /// Loads a fence that `lease` may move on: started by that lease, or by an
 /// attempt that died.
 fn owned_or_abandoned(tx: &Tx, lease: &LeaseRef, id: &FenceId) -> Result<FenceRec, StoreError> {
-    let f = tx
-        .fence(id)?
-        .ok_or_else(|| invalid_fence(id, "no such fence"))?;
-    if f.state != FenceState::Started {
-        return Err(invalid_fence(
-            id,
-            format!("it is {}, not started", f.state.as_str()),
-        ));
-    }
-    let mine = f.job_id == lease.job_id && f.token == lease.token;
-    if !mine && holder_alive(tx, &f)? {
-        return Err(invalid_fence(
-            id,
-            format!("a live attempt of job {:?} holds it", f.job_id),
-        ));
+    let (f, ask) = rules::may_move(tx.fence(id)?, id, lease)?;
+    if ask {
+        rules::moved_if_dead(&f, id, holder_alive(tx, &f)?)?;
     }
     Ok(f)
 }
@@ -1633,9 +1547,7 @@ fn owned_or_abandoned(tx: &Tx, lease: &LeaseRef, id: &FenceId) -> Result<FenceRe
 /// Loads a `started` fence that `lease` itself holds (nobody took it over).
 fn held_by(tx: &Tx, lease: &LeaseRef, id: &FenceId) -> Result<FenceRec, StoreError> {
     let f = owned_or_abandoned(tx, lease, id)?;
-    if f.token != lease.token {
-        return Err(invalid_fence(id, "another attempt took it over"));
-    }
+    rules::held_by(&f, id, lease)?;
     Ok(f)
 }
 

@@ -29,6 +29,7 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
+use super::rules::{self, invalid_fence, stored_state, visible_state};
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
     RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
@@ -543,19 +544,6 @@ fn persist_counters(w: &Writer, token_before: u64, seq_before: i64) -> Result<()
 const JOB_COLUMNS: &str = "id, queue, state, payload, priority, attempt, budget_used, max_attempts, \
      dedup_key, run_at, enqueued_at, finished_at, result, last_error";
 
-fn stored_state(s: &str) -> JobState {
-    s.parse().unwrap_or(JobState::Dead)
-}
-
-/// The reported state: waiting with `run_at` in the future is delayed.
-fn visible_state(stored: JobState, run_at: Millis, now: Millis) -> JobState {
-    if stored == JobState::Waiting && run_at > now {
-        JobState::Delayed
-    } else {
-        stored
-    }
-}
-
 fn job_from_row(r: &rusqlite::Row<'_>, now: Millis) -> rusqlite::Result<Job> {
     let state: String = r.get(2)?;
     let run_at = Millis(r.get(9)?);
@@ -617,13 +605,11 @@ fn check_lease(conn: &Connection, lease: &LeaseRef) -> Result<(), StoreError> {
         .query_row([&lease.job_id], |r| r.get(0))
         .optional()?
         .flatten();
-    if held.and_then(|t| u64::try_from(t).ok()) == Some(lease.token) {
+    let token = held.and_then(|t| u64::try_from(t).ok());
+    if rules::holds(JobState::Active, token, lease) {
         Ok(())
     } else {
-        Err(StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
-        })
+        Err(rules::fenced(lease))
     }
 }
 
@@ -811,6 +797,32 @@ fn end_job(
     release_dedup(conn, id, now)
 }
 
+/// Writes what a rule decided for a job: an end (completed or dead), or
+/// back to waiting at its `run_at`, refunded or not.
+fn move_job(conn: &Connection, id: &str, m: &rules::Move, now: Millis) -> Result<(), StoreError> {
+    if m.ends() {
+        return end_job(
+            conn,
+            id,
+            m.state,
+            m.result.as_deref(),
+            m.error.as_deref(),
+            now,
+        );
+    }
+    conn.prepare_cached(
+        "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = COALESCE(?3, last_error), \
+         lease_token = NULL, budget_used = MAX(budget_used - ?4, 0) WHERE id = ?1",
+    )?
+    .execute(params![
+        id,
+        m.run_at.unwrap_or(now).0,
+        m.error,
+        i64::from(m.refund)
+    ])?;
+    Ok(())
+}
+
 fn finish_step(
     w: &mut Writer,
     lease: &LeaseRef,
@@ -819,61 +831,19 @@ fn finish_step(
 ) -> Result<JobState, StoreError> {
     let conn = &w.conn;
     let job = require_job(conn, &lease.job_id, now)?;
-    let holds = check_lease(conn, lease).is_ok();
-    let (outcome, error) = match &finish {
-        Finish::Completed { .. } => (AttemptOutcome::Completed, None),
-        Finish::Retry { outcome, error, .. } | Finish::Fail { outcome, error } => {
-            (*outcome, Some(error.as_str()))
-        }
-        Finish::Interrupted { error } => (AttemptOutcome::Interrupted, Some(error.as_str())),
+    let held = rules::Held {
+        state: job.state,
+        budget_used: job.budget_used,
+        max_attempts: job.max_attempts,
+        holds: check_lease(conn, lease).is_ok(),
+        expired: false,
     };
-    if !holds {
-        // Cancelled (or recovered) meanwhile: record how the attempt ended,
-        // leave the job alone.
-        let outcome = if job.state == JobState::Cancelled {
-            AttemptOutcome::Cancelled
-        } else {
-            outcome
-        };
-        close_attempt(conn, lease, outcome, error, now)?;
-        return Err(StoreError::Fenced {
-            job_id: lease.job_id.clone(),
-            token: lease.token,
-        });
+    let ending = rules::finish(held, finish, now);
+    close_attempt(conn, lease, ending.outcome, ending.error.as_deref(), now)?;
+    if let Some(m) = &ending.then {
+        move_job(conn, &job.id, m, now)?;
     }
-    close_attempt(conn, lease, outcome, error, now)?;
-    let next = match finish {
-        Finish::Completed { result } => {
-            end_job(conn, &job.id, JobState::Completed, Some(&result), None, now)?;
-            JobState::Completed
-        }
-        Finish::Retry { error, run_at, .. } if job.budget_used < job.max_attempts => {
-            conn.prepare_cached(
-                "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = ?3, lease_token = NULL \
-                 WHERE id = ?1",
-            )?
-            .execute(params![job.id, run_at.0, error])?;
-            visible_state(JobState::Waiting, run_at, now)
-        }
-        Finish::Retry { error, .. } => {
-            let error = format!("{error} (attempt budget of {} used up)", job.max_attempts);
-            end_job(conn, &job.id, JobState::Dead, None, Some(&error), now)?;
-            JobState::Dead
-        }
-        Finish::Fail { error, .. } => {
-            end_job(conn, &job.id, JobState::Dead, None, Some(&error), now)?;
-            JobState::Dead
-        }
-        Finish::Interrupted { error } => {
-            conn.prepare_cached(
-                "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = ?3, lease_token = NULL, \
-                 budget_used = MAX(budget_used - 1, 0) WHERE id = ?1",
-            )?
-            .execute(params![job.id, now.0, error])?;
-            JobState::Waiting
-        }
-    };
-    Ok(next)
+    ending.answer(lease, now)
 }
 
 fn recover_step(w: &mut Writer, now: Millis) -> Result<u64, StoreError> {
@@ -891,23 +861,14 @@ fn recover_step(w: &mut Writer, now: Millis) -> Result<u64, StoreError> {
             ))
         })?
         .collect::<Result<_, _>>()?;
-    let error = "abandoned: the daemon stopped during this attempt";
+    let error = rules::ABANDONED;
     for (id, token, used, max) in &active {
         let lease = LeaseRef {
             job_id: id.clone(),
             token: u64::try_from(*token).unwrap_or(0),
         };
         close_attempt(conn, &lease, AttemptOutcome::Abandoned, Some(error), now)?;
-        if used < max {
-            conn.execute(
-                "UPDATE jobs SET state = 'waiting', run_at = ?2, last_error = ?3, lease_token = NULL \
-                 WHERE id = ?1",
-                params![id, now.0, error],
-            )?;
-        } else {
-            let error = format!("{error} (attempt budget of {max} used up)");
-            end_job(conn, id, JobState::Dead, None, Some(&error), now)?;
-        }
+        move_job(conn, id, &rules::abandon(*used, *max, error, now), now)?;
     }
     // Attempts left open without an active job (should not happen) are closed too.
     conn.execute(
@@ -1106,24 +1067,7 @@ fn load_fence(conn: &Connection, id: &FenceId) -> Result<Option<Fence>, StoreErr
 
 /// Whether the attempt that wrote `f` still holds its job.
 fn holder_alive(conn: &Connection, f: &Fence) -> Result<bool, StoreError> {
-    let holder = LeaseRef {
-        job_id: f.job_id.clone(),
-        token: f.token,
-    };
-    match check_lease(conn, &holder) {
-        Ok(()) => Ok(true),
-        Err(StoreError::Fenced { .. }) => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
-fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> StoreError {
-    StoreError::InvalidFence {
-        namespace: id.namespace.clone(),
-        kind: id.kind.clone(),
-        key: id.key.clone(),
-        reason: reason.into(),
-    }
+    rules::alive(check_lease(conn, &rules::holder_lease(f)))
 }
 
 fn token_param(t: u64) -> i64 {
@@ -1147,21 +1091,12 @@ fn fence_begin_step(
         .execute(params![id.namespace, id.kind, id.key, fingerprint, lease.job_id, attempt, token_param(lease.token), now.0])?;
         return Ok(FenceBegin::Started);
     };
-    if f.fingerprint != fingerprint {
-        return Ok(FenceBegin::KeyReused);
-    }
-    Ok(match f.state {
-        FenceState::Done => FenceBegin::Replay(f.result.unwrap_or_default()),
-        FenceState::Uncertain => FenceBegin::Uncertain(f),
-        // A guest's host calls are sequential: a fence this very attempt
-        // started belongs to a call that is over, whose outcome is unknown.
-        FenceState::Started if f.job_id == lease.job_id && f.token == lease.token => {
-            FenceBegin::Abandoned(f)
+    Ok(match rules::fence_begin(f, lease, fingerprint) {
+        rules::Begin::Answer(a) => a,
+        rules::Begin::AskHolder(f) => {
+            let alive = holder_alive(conn, &f)?;
+            rules::begin_if_alive(f, alive)
         }
-        FenceState::Started if holder_alive(conn, &f)? => {
-            FenceBegin::InProgress { job_id: f.job_id }
-        }
-        FenceState::Started => FenceBegin::Abandoned(f),
     })
 }
 
@@ -1172,19 +1107,9 @@ fn owned_or_abandoned(
     lease: &LeaseRef,
     id: &FenceId,
 ) -> Result<Fence, StoreError> {
-    let f = load_fence(conn, id)?.ok_or_else(|| invalid_fence(id, "no such fence"))?;
-    if f.state != FenceState::Started {
-        return Err(invalid_fence(
-            id,
-            format!("it is {}, not started", f.state.as_str()),
-        ));
-    }
-    let mine = f.job_id == lease.job_id && f.token == lease.token;
-    if !mine && holder_alive(conn, &f)? {
-        return Err(invalid_fence(
-            id,
-            format!("a live attempt of job {:?} holds it", f.job_id),
-        ));
+    let (f, ask) = rules::may_move(load_fence(conn, id)?, id, lease)?;
+    if ask {
+        rules::moved_if_dead(&f, id, holder_alive(conn, &f)?)?;
     }
     Ok(f)
 }
@@ -1192,9 +1117,7 @@ fn owned_or_abandoned(
 /// Loads a `started` fence that `lease` itself holds (nobody took it over).
 fn held_by(conn: &Connection, lease: &LeaseRef, id: &FenceId) -> Result<Fence, StoreError> {
     let f = owned_or_abandoned(conn, lease, id)?;
-    if f.token != lease.token {
-        return Err(invalid_fence(id, "another attempt took it over"));
-    }
+    rules::held_by(&f, id, lease)?;
     Ok(f)
 }
 
