@@ -412,13 +412,20 @@ fn in_savepoint<T>(
     }
 }
 
-/// Runs groups until the channel closes or a group cannot be committed;
-/// then it sets `halt` and returns, and the requests still queued are
+/// Runs groups until the channel closes, a group cannot be committed or
+/// the ledger halted (a commit past its deadline); then it sets `halt` and
+/// returns, and the requests still queued are
 /// dropped (their callers get the halt's error).
 fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>, halt: &Halt) {
     let mut group: Vec<Request> = Vec::with_capacity(MAX_GROUP);
     let mut durable_answers: Vec<Answer> = Vec::with_capacity(MAX_GROUP);
     while let Some(first) = rx.blocking_recv() {
+        // A commit that outlived `Halt::COMMIT_DEADLINE` and then returned
+        // leaves the ledger halted all the same: its waiters were answered
+        // with the halt's error, so nothing more is committed.
+        if halt.reason().is_some() {
+            return;
+        }
         group.push(first);
         while group.len() < MAX_GROUP {
             match rx.try_recv() {
