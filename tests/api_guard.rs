@@ -3,7 +3,7 @@
 //! request without a JSON content type cannot change anything, and a route
 //! that panics answers 500 with a JSON error while later requests work.
 
-mod support;
+use crate::support;
 
 use serde_json::{Value, json};
 use support::{Daemon, payload};

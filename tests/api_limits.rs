@@ -5,7 +5,7 @@
 //! of big payloads ends at its byte budget and costs the daemon about twice
 //! the answer, not a tree of it.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

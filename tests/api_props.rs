@@ -4,7 +4,7 @@
 //! daemon answers (never a closed connection), never with a 5xx, every
 //! error carries the JSON error body, and a refused request stores nothing.
 
-mod support;
+use crate::support;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};

@@ -1,6 +1,6 @@
 //! Bad input gets a clear error and changes nothing.
 
-mod support;
+use crate::support;
 
 use serde_json::json;
 use support::Daemon;

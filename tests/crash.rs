@@ -1,7 +1,7 @@
 //! No acknowledged job is lost and no completed job runs again across
 //! `kill -9` of the real daemon at random moments (DESIGN 2, 7).
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -5,8 +5,8 @@
 //!
 //! Screenshots of the pages land in `target/tmp/dashboard-screenshots/`.
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;

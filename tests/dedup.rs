@@ -1,6 +1,6 @@
 //! Producer-side deduplication through the real daemon (DESIGN 3).
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 

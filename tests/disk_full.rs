@@ -6,7 +6,7 @@
 //! restarts it), and, once there is room again, start from what is durable:
 //! every job that was acknowledged is there and runs, nothing refused is.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

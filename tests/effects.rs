@@ -1,8 +1,8 @@
 //! Effects happen once (DESIGN 4), through the real daemon, against a real
 //! HTTP server and a real SMTP server on 127.0.0.1.
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use serde_json::json;
 use servers::{AfterData, Payments, Push, Smtp};
@@ -455,53 +455,107 @@ async fn fences_in(d: &Daemon, state: &str) -> Vec<(String, String, String, Stri
         .collect()
 }
 
-/// The SMTP server keeps the message and drops the connection without
-/// answering the final dot: whether it was sent is unknown, SMTP is not
-/// idempotent and cannot be asked, so `skip` marks the fence `uncertain` and
-/// never sends again; welcome_email's `?` makes `uncertain` a permanent
-/// failure, so the job is dead at once whatever its budget.
+/// One row of the SMTP drop table: a server that keeps each message and
+/// drops the connection instead of answering the final dot, under one
+/// `on_uncertain` policy, and what the job, its effect records, the server's
+/// mailbox and the fence list must show afterwards.
+struct SmtpDrop {
+    /// The server's behaviour after DATA.
+    drop: AfterData,
+    /// Extra queue keys: `max_attempts`, `on_uncertain`, `backoff`.
+    queue: &'static str,
+    /// The user of the job (and of its key `welcome:<user>`).
+    user: u32,
+    /// The state the job ends in.
+    ends: &'static str,
+    /// Each attempt's outcome, in order.
+    attempts: &'static [&'static str],
+    /// Each effect record's outcome, one per attempt.
+    effects: &'static [&'static str],
+    /// The copies the server kept.
+    messages: usize,
+    /// The state of the email fence afterwards.
+    fence: &'static str,
+}
+
+impl SmtpDrop {
+    /// Runs the row and checks everything it names; returns the daemon, the
+    /// SMTP server, the job's id and its final record for what a row checks
+    /// beyond the table.
+    async fn run(self) -> (Daemon, Smtp, String, serde_json::Value, tempfile::TempDir) {
+        let tmp = tempfile::tempdir().unwrap();
+        let smtp = Smtp::start_with(
+            &tmp.path().join("mail"),
+            std::time::Duration::ZERO,
+            self.drop,
+        );
+        let d = start(
+            &welcome_smtp_queue(smtp.port, self.queue),
+            &[("welcome_email", "welcome_email")],
+        )
+        .await;
+        let id = d.enqueue("welcome", welcome_user(self.user)).await;
+        let j = d.wait_state(&id, self.ends, 30).await;
+        let attempts: Vec<&str> = j["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["outcome"].as_str().unwrap())
+            .collect();
+        assert_eq!(attempts, self.attempts, "{j}");
+        let key = format!("welcome:{}", self.user);
+        let effects: Vec<_> = self
+            .effects
+            .iter()
+            .zip(1..)
+            .map(|(outcome, attempt)| (attempt, key.clone(), (*outcome).to_owned()))
+            .collect();
+        assert_eq!(effect_outcomes(&j), effects, "{j}");
+        assert_eq!(
+            smtp.messages().len(),
+            self.messages,
+            "{:#?}",
+            smtp.messages()
+        );
+        assert_eq!(
+            fences_in(&d, self.fence).await,
+            [("welcome".into(), "email".into(), key, id.clone())],
+            "the fence is {}",
+            self.fence
+        );
+        if self.fence != "uncertain" {
+            assert!(fences_in(&d, "uncertain").await.is_empty());
+        }
+        (d, smtp, id, j, tmp)
+    }
+}
+
+/// `skip`: whether the dropped message was sent is unknown, SMTP is not
+/// idempotent and cannot be asked, so the fence is `uncertain`, listed for an
+/// operator, and nothing is ever sent again; welcome_email's `?` makes
+/// `uncertain` a permanent failure, so the job is dead at once whatever its
+/// budget. Once the operator resolves the fence `done`, a retry replays the
+/// receipt with the Message-ID the server kept.
 #[tokio::test]
 async fn smtp_drop_after_data_under_skip_is_uncertain_and_never_sent_again() {
-    let tmp = tempfile::tempdir().unwrap();
-    let smtp = Smtp::start_with(
-        &tmp.path().join("mail"),
-        std::time::Duration::ZERO,
-        AfterData::DropAlways,
-    );
-    let d = start(
-        &welcome_smtp_queue(smtp.port, "max_attempts = 3\non_uncertain = \"skip\""),
-        &[("welcome_email", "welcome_email")],
-    )
+    let (d, smtp, id, j, _tmp) = SmtpDrop {
+        drop: AfterData::DropAlways,
+        queue: "max_attempts = 3\non_uncertain = \"skip\"",
+        user: 21,
+        ends: "dead",
+        attempts: &["failed"],
+        effects: &["refused:uncertain"],
+        messages: 1,
+        fence: "uncertain",
+    }
+    .run()
     .await;
-    let id = d.enqueue("welcome", welcome_user(21)).await;
-    let j = d.wait_state(&id, "dead", 30).await;
-    assert_eq!(
-        j["attempts"].as_array().unwrap().len(),
-        1,
-        "dead at once: {j}"
-    );
-    assert_eq!(j["attempts"][0]["outcome"], "failed", "{j}");
     assert!(
         j["last_error"]
             .as_str()
             .unwrap()
             .starts_with("effect uncertain:"),
         "{j}"
-    );
-    assert_eq!(
-        effect_outcomes(&j),
-        [(1, "welcome:21".into(), "refused:uncertain".into())]
-    );
-    assert_eq!(smtp.messages().len(), 1, "the server kept the message once");
-    assert_eq!(
-        fences_in(&d, "uncertain").await,
-        [(
-            "welcome".into(),
-            "email".into(),
-            "welcome:21".into(),
-            id.clone()
-        )],
-        "listed for an operator"
     );
 
     // Another job for the same user meets the uncertain fence: nothing is sent.
@@ -513,8 +567,6 @@ async fn smtp_drop_after_data_under_skip_is_uncertain_and_never_sent_again() {
     );
     assert_eq!(smtp.messages().len(), 1, "skip: never a second send");
 
-    // The operator finds the message on the server and says so: a retry
-    // replays the receipt, with the Message-ID the server kept.
     let out = d.cli(&["fence", "resolve", "welcome", "email", "welcome:21", "done"]);
     assert!(
         out.status.success(),
@@ -533,40 +585,28 @@ async fn smtp_drop_after_data_under_skip_is_uncertain_and_never_sent_again() {
     assert!(fences_in(&d, "uncertain").await.is_empty());
 }
 
-/// The same drop under `repeat`: the daemon sends the message again, with
-/// the same Message-ID, in the same call; the handler never sees the unknown
-/// outcome. The server ends with two copies: the one it kept without
-/// answering and the resend it answered (at least once).
+/// `repeat` against one drop: the daemon sends the message again, with the
+/// same Message-ID, in the same call (one attempt: the resend cannot be a
+/// retry); the handler never sees the unknown outcome. The server ends with
+/// two copies: the one it kept without answering and the resend it answered
+/// (at least once).
 #[tokio::test]
 async fn smtp_drop_after_data_under_repeat_sends_again_with_the_same_message_id() {
-    let tmp = tempfile::tempdir().unwrap();
-    let smtp = Smtp::start_with(
-        &tmp.path().join("mail"),
-        std::time::Duration::ZERO,
-        AfterData::DropFirst(1),
-    );
-    let d = start(
-        // One attempt: the resend must happen inside the call, not by a retry.
-        &welcome_smtp_queue(smtp.port, "max_attempts = 1\non_uncertain = \"repeat\""),
-        &[("welcome_email", "welcome_email")],
-    )
+    let (_d, smtp, _id, j, _tmp) = SmtpDrop {
+        drop: AfterData::DropFirst(1),
+        queue: "max_attempts = 1\non_uncertain = \"repeat\"",
+        user: 22,
+        ends: "completed",
+        attempts: &["completed"],
+        effects: &["performed"],
+        messages: 2,
+        fence: "done",
+    }
+    .run()
     .await;
-    let id = d.enqueue("welcome", welcome_user(22)).await;
-    let j = d.wait_state(&id, "completed", 30).await;
     assert_eq!(j["result"]["replayed"], false, "{j}");
-    assert_eq!(j["attempts"].as_array().unwrap().len(), 1, "{j}");
-    assert_eq!(
-        effect_outcomes(&j),
-        [(1, "welcome:22".into(), "performed".into())]
-    );
-    let messages = smtp.messages();
-    assert_eq!(
-        messages.len(),
-        2,
-        "the kept copy and the resend: {messages:#?}"
-    );
     let message_id = j["result"]["message_id"].as_str().unwrap();
-    for m in &messages {
+    for m in &smtp.messages() {
         assert_eq!(
             message_id_of(m),
             message_id,
@@ -574,12 +614,6 @@ async fn smtp_drop_after_data_under_repeat_sends_again_with_the_same_message_id(
         );
         assert!(m.contains("To: u22@example.com"), "{m}");
     }
-    assert!(fences_in(&d, "uncertain").await.is_empty());
-    let done = fences_in(&d, "done").await;
-    assert_eq!(
-        done,
-        [("welcome".into(), "email".into(), "welcome:22".into(), id)]
-    );
 }
 
 /// `repeat` against a server that never answers: one call sends at most 3
@@ -588,25 +622,18 @@ async fn smtp_drop_after_data_under_repeat_sends_again_with_the_same_message_id(
 /// is still `started`.
 #[tokio::test]
 async fn smtp_drop_always_under_repeat_sends_three_times_per_call() {
-    let tmp = tempfile::tempdir().unwrap();
-    let smtp = Smtp::start_with(
-        &tmp.path().join("mail"),
-        std::time::Duration::ZERO,
-        AfterData::DropAlways,
-    );
-    let d = start(
-        &welcome_smtp_queue(
-            smtp.port,
-            "max_attempts = 2\non_uncertain = \"repeat\"\nbackoff = { initial = \"10ms\", max = \"20ms\" }",
-        ),
-        &[("welcome_email", "welcome_email")],
-    )
+    let (_d, _smtp, _id, j, _tmp) = SmtpDrop {
+        drop: AfterData::DropAlways,
+        queue: "max_attempts = 2\non_uncertain = \"repeat\"\nbackoff = { initial = \"10ms\", max = \"20ms\" }",
+        user: 23,
+        ends: "dead",
+        attempts: &["retry", "retry"],
+        effects: &["refused:transient", "refused:transient"],
+        messages: 6,
+        fence: "started",
+    }
+    .run()
     .await;
-    let id = d.enqueue("welcome", welcome_user(23)).await;
-    let j = d.wait_state(&id, "dead", 30).await;
-    let attempts = j["attempts"].as_array().unwrap();
-    assert_eq!(attempts.len(), 2, "{j}");
-    assert!(attempts.iter().all(|a| a["outcome"] == "retry"), "{j}");
     assert!(
         j["last_error"]
             .as_str()
@@ -614,53 +641,29 @@ async fn smtp_drop_always_under_repeat_sends_three_times_per_call() {
             .contains("stayed unknown after 3 tries"),
         "{j}"
     );
-    assert_eq!(
-        effect_outcomes(&j),
-        [
-            (1, "welcome:23".into(), "refused:transient".into()),
-            (2, "welcome:23".into(), "refused:transient".into())
-        ]
-    );
-    assert_eq!(smtp.messages().len(), 6, "3 sends in each of 2 attempts");
-    assert_eq!(
-        fences_in(&d, "started").await,
-        [("welcome".into(), "email".into(), "welcome:23".into(), id)]
-    );
-    assert!(fences_in(&d, "uncertain").await.is_empty());
 }
 
-/// The same drop under `dead`: the fence becomes `uncertain` and the job
-/// goes dead at once with the policy's message, however many attempts it
-/// had left.
+/// `dead`: the fence becomes `uncertain` and the job goes dead at once with
+/// the policy's message, however many attempts it had left; sent once, not
+/// repeated.
 #[tokio::test]
 async fn smtp_drop_after_data_under_dead_dead_letters_the_job() {
-    let tmp = tempfile::tempdir().unwrap();
-    let smtp = Smtp::start_with(
-        &tmp.path().join("mail"),
-        std::time::Duration::ZERO,
-        AfterData::DropAlways,
-    );
-    let d = start(
-        &welcome_smtp_queue(smtp.port, "max_attempts = 5\non_uncertain = \"dead\""),
-        &[("welcome_email", "welcome_email")],
-    )
+    let (_d, _smtp, _id, j, _tmp) = SmtpDrop {
+        drop: AfterData::DropAlways,
+        queue: "max_attempts = 5\non_uncertain = \"dead\"",
+        user: 24,
+        ends: "dead",
+        attempts: &["failed"],
+        effects: &["refused:uncertain"],
+        messages: 1,
+        fence: "uncertain",
+    }
+    .run()
     .await;
-    let id = d.enqueue("welcome", welcome_user(24)).await;
-    let j = d.wait_state(&id, "dead", 30).await;
-    assert_eq!(j["attempts"].as_array().unwrap().len(), 1, "{j}");
     assert_eq!(
         j["last_error"],
         "the outcome of effect welcome/email/welcome:24 is unknown and the queue's on_uncertain policy is `dead`",
         "{j}"
-    );
-    assert_eq!(
-        effect_outcomes(&j),
-        [(1, "welcome:24".into(), "refused:uncertain".into())]
-    );
-    assert_eq!(smtp.messages().len(), 1, "sent once, not repeated");
-    assert_eq!(
-        fences_in(&d, "uncertain").await,
-        [("welcome".into(), "email".into(), "welcome:24".into(), id)]
     );
 }
 

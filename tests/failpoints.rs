@@ -6,10 +6,9 @@
 //! before its interrupt, whose effects are all `fenced`.
 //!
 //! Needs the `failpoints` feature (`scripts/test` enables it).
-#![cfg(feature = "failpoints")]
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

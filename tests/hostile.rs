@@ -8,7 +8,7 @@
 //! over `max_payload` on the single enqueue (413 naming `max_payload`) and
 //! `khata check` on bad plugins (`bad_input.rs`).
 
-mod support;
+use crate::support;
 
 use std::net::TcpListener;
 

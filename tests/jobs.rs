@@ -1,7 +1,7 @@
 //! The job life cycle through the real daemon: run, order, concurrency,
 //! retries, limits, dead-letter, manual retry and cancel (DESIGN 2).
 
-mod support;
+use crate::support;
 
 use serde_json::json;
 use support::{Daemon, payload};

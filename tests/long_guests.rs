@@ -4,7 +4,7 @@
 //! hearing from the daemon; the queue's `timeout` still stops a guest that
 //! computes for ever; a trap's text reaches the ledger cut and NUL-free.
 
-mod support;
+use crate::support;
 
 use std::os::unix::net::UnixDatagram;
 use std::time::{Duration, Instant};

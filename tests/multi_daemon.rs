@@ -4,8 +4,8 @@
 //! The server is named by `KHATA_TEST_PG_URL`; each test gets a database of
 //! its own. Leases are short here (`lease = "2s"`, `heartbeat = "500ms"`).
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

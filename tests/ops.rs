@@ -1,7 +1,7 @@
 //! Operating the daemon: graceful shutdown, metrics, refusing what this
 //! build cannot serve.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -7,8 +7,8 @@
 //! leases lost in the outage are reclaimed by either. Leases are short
 //! (`lease = "2s"`, `heartbeat = "500ms"`).
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};

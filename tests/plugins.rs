@@ -6,7 +6,7 @@
 //! apart: `chaos` answers `{"do": "sleep", "ms": N}` with `{"slept": N}`,
 //! `echo` with the payload itself.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

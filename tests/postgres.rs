@@ -4,7 +4,7 @@
 //! starts one with scripts/pg-test-server); each test gets a database of
 //! its own.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! passes that follow each other while more is due, instead of 1,000 rows a
 //! minute, on every embedded backend.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! under `schedule:<name>:<time>`, the catch-up policies, and no fire time
 //! enqueued twice across a kill -9 or a lost marks file.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, SystemTime};
 

@@ -7,8 +7,8 @@
 //! compiles for a while before the daemon answers; every restart after that
 //! must read the compiled code from the cache in data_dir.
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -5,8 +5,8 @@
 //! SQL of their own against both databases. PostgreSQL comes from
 //! `KHATA_TEST_PG_URL`, a database per side.
 
-mod servers;
-mod support;
+use crate::servers;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;

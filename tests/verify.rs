@@ -4,7 +4,7 @@
 //! language builds with its toolchain, passes its own tests and verifies
 //! clean.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
