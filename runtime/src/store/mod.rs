@@ -22,8 +22,10 @@ pub mod postgres;
 pub mod rules;
 pub mod sled;
 pub mod sqlite;
+mod writer;
 
-use std::sync::Arc;
+pub use writer::Halt;
+
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -641,95 +643,5 @@ pub trait Store: Send + Sync + 'static {
     /// exits and recovery starts from what is durable ([`Halt`]).
     fn halted(&self) -> Option<String> {
         None
-    }
-}
-
-/// Set once by an embedded ledger's writer when a commit fails, or when a
-/// commit has not returned within [`Halt::COMMIT_DEADLINE`]; read by the
-/// daemon (which then exits non-zero) and by `/readyz` (503).
-///
-/// Invariant: once set it stays set, and the writer has run no step since
-/// (a commit that never returns runs none either: its thread is stuck in
-/// it, as sled's flush is on a full disk, and the daemon exits around it).
-#[derive(Debug, Clone, Default)]
-pub struct Halt {
-    why: Arc<std::sync::OnceLock<String>>,
-    /// When the commit in progress started, in ms since `epoch` plus one;
-    /// 0 while none is.
-    committing: Arc<std::sync::atomic::AtomicU64>,
-    epoch: Arc<std::sync::OnceLock<std::time::Instant>>,
-}
-
-impl Halt {
-    /// How long a durable commit may take before the ledger counts as
-    /// stopped. A healthy disk commits in milliseconds and a loaded one in
-    /// a few seconds; one that has not answered in 20 s will not, and the
-    /// requests waiting on it would otherwise hang until their timeouts.
-    pub const COMMIT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
-
-    /// Records why the writer stopped (the first reason is kept).
-    pub fn set(&self, why: String) {
-        let _ = self.why.set(why);
-    }
-
-    /// Runs a durable commit under [`Halt::COMMIT_DEADLINE`].
-    pub fn committing<T>(&self, commit: impl FnOnce() -> T) -> T {
-        use std::sync::atomic::Ordering;
-        let epoch = *self.epoch.get_or_init(std::time::Instant::now);
-        let since = epoch.elapsed().as_millis() as u64 + 1;
-        self.committing.store(since, Ordering::Release);
-        let done = commit();
-        self.committing.store(0, Ordering::Release);
-        done
-    }
-
-    pub fn reason(&self) -> Option<String> {
-        use std::sync::atomic::Ordering;
-        if let Some(why) = self.why.get() {
-            return Some(why.clone());
-        }
-        let since = self.committing.load(Ordering::Acquire);
-        let epoch = self.epoch.get()?;
-        if since != 0 {
-            let taken = epoch
-                .elapsed()
-                .saturating_sub(std::time::Duration::from_millis(since - 1));
-            if taken > Self::COMMIT_DEADLINE {
-                self.set(format!(
-                    "a commit has not returned in {} s (a full disk or a failing device)",
-                    taken.as_secs()
-                ));
-            }
-        }
-        self.why.get().cloned()
-    }
-
-    /// Waits for the answer to a step sent to the writer, or for the
-    /// writer to stop: a writer stuck in a commit answers nothing, and its
-    /// callers get the halt's error instead of waiting for ever.
-    pub async fn answer<T>(
-        &self,
-        rx: tokio::sync::oneshot::Receiver<Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let stopped = async {
-            loop {
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                if self.reason().is_some() {
-                    return;
-                }
-            }
-        };
-        tokio::select! {
-            answer = rx => answer.map_err(|_| self.error())?,
-            () = stopped => Err(self.error()),
-        }
-    }
-
-    /// The error a step gets from a stopped writer.
-    pub fn error(&self) -> StoreError {
-        StoreError::Unavailable(match self.why.get() {
-            Some(why) => format!("the ledger stopped taking writes after: {why}"),
-            None => "the ledger writer has stopped".to_owned(),
-        })
     }
 }

@@ -40,15 +40,14 @@
 //!
 //! # Writes
 //!
-//! One thread owns every write, so no two sled transactions ever run at
-//! once and none conflicts (sled's optimistic transactions abort by the
-//! hundred when many tasks lease the head of one tree). It takes every step
-//! waiting in its channel (up to [`MAX_GROUP`]); each step reads the trees,
-//! collects its writes in a [`Tx`] (which also answers the step's reads of
-//! its own writes) and applies them in one sled transaction over the trees it
-//! touched, or not at all when it fails. **Applied** steps are answered at
-//! once; then, if the group holds a **durable** step, the writer calls
-//! `flush()` and fdatasyncs sled's files, and answers the durable steps.
+//! The store's one writer ([`super::writer`]) owns every write, so no two
+//! sled transactions ever run at once and none conflicts (sled's optimistic
+//! transactions abort by the hundred when many tasks lease the head of one
+//! tree). Each step reads the trees, collects its writes in a [`Tx`] (which
+//! also answers the step's reads of its own writes) and applies them in one
+//! sled transaction over the trees it touched, or not at all when it fails.
+//! A group needs no opening; when it holds a **durable** step, its commit
+//! calls `flush()` and fdatasyncs sled's files.
 //!
 //! # Durability
 //!
@@ -84,26 +83,23 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sled::Transactional;
-use tokio::sync::{mpsc, oneshot};
 
 use super::rules::{self, invalid_fence, visible_state};
+use super::writer::{Engine, GroupWriter};
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, PageBuilder,
     RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
     StateCounts,
 };
-
-/// Most steps applied before one flush.
-const MAX_GROUP: usize = 1024;
 
 /// The key layout this build writes (the trees above).
 ///
@@ -685,14 +681,6 @@ impl Tx {
 
 // ---- the writer ----
 
-type Step = Box<dyn FnOnce(&mut Writer) -> Answer + Send>;
-type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
-
-struct Request {
-    step: Step,
-    durable: bool,
-}
-
 struct Writer {
     trees: Arc<Trees>,
     next_token: u64,
@@ -702,8 +690,22 @@ struct Writer {
     blobs_dir: PathBuf,
     /// Blob files already synced.
     synced_blobs: HashSet<OsString>,
-    /// Set once a flush or sync failed: every later step is refused.
-    halt: Halt,
+}
+
+impl Engine for Writer {
+    fn begin(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Each step applied its own transaction; a group with a durable step
+    /// is made durable by [`Writer::persist`], one without is left to the
+    /// next.
+    fn commit(&mut self, durable: bool) -> Result<bool, StoreError> {
+        if durable {
+            self.persist()?;
+        }
+        Ok(durable)
+    }
 }
 
 impl Writer {
@@ -713,9 +715,6 @@ impl Writer {
         &mut self,
         f: impl FnOnce(&mut Tx) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        if self.halt.reason().is_some() {
-            return Err(self.halt.error());
-        }
         let mut tx = Tx {
             trees: Arc::clone(&self.trees),
             writes: BTreeMap::new(),
@@ -748,27 +747,16 @@ impl Writer {
     /// Makes every applied step durable: flush, then fdatasync of the blobs
     /// and of the data file. Durable against power loss when it returns Ok.
     fn persist(&mut self) -> Result<(), StoreError> {
-        if self.halt.reason().is_some() {
-            return Err(self.halt.error());
-        }
-        let halt = self.halt.clone();
-        let done = halt.committing(|| {
-            self.trees
-                .db
-                .flush()
-                .map_err(sled_err)
-                .and_then(|_| self.sync_blobs())
-                .and_then(|()| {
-                    self.data_file
-                        .sync_data()
-                        .map_err(|e| unavailable(format!("fdatasync of sled's data file: {e}")))
-                })
-        });
-        if let Err(e) = &done {
-            tracing::error!(error = %e, "the sled ledger could not be made durable; it refuses every step from now on");
-            self.halt.set(format!("a flush or sync failed: {e}"));
-        }
-        done
+        self.trees
+            .db
+            .flush()
+            .map_err(sled_err)
+            .and_then(|_| self.sync_blobs())
+            .and_then(|()| {
+                self.data_file
+                    .sync_data()
+                    .map_err(|e| unavailable(format!("fdatasync of sled's data file: {e}")))
+            })
     }
 
     fn sync_blobs(&mut self) -> Result<(), StoreError> {
@@ -815,45 +803,9 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(|e| unavailable(format!("fsync of {}: {e}", dir.display())))
 }
 
-fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>) {
-    let mut group: Vec<Request> = Vec::with_capacity(MAX_GROUP);
-    let mut durable_answers: Vec<Answer> = Vec::with_capacity(MAX_GROUP);
-    while let Some(first) = rx.blocking_recv() {
-        group.push(first);
-        while group.len() < MAX_GROUP {
-            match rx.try_recv() {
-                Ok(r) => group.push(r),
-                Err(_) => break,
-            }
-        }
-        for r in group.drain(..) {
-            let answer = (r.step)(&mut w);
-            if r.durable {
-                durable_answers.push(answer);
-            } else {
-                answer(Ok(()));
-            }
-        }
-        if durable_answers.is_empty() {
-            continue;
-        }
-        let started = Instant::now();
-        let persisted = w.persist();
-        metrics::histogram!("khata_store_commit_seconds").record(started.elapsed().as_secs_f64());
-        metrics::histogram!("khata_store_commit_steps").record(durable_answers.len() as f64);
-        for answer in durable_answers.drain(..) {
-            answer(persisted.clone());
-        }
-    }
-}
-
 /// A sled ledger in `data_dir/ledger.sled`.
 pub struct SledStore {
-    /// `None` once dropping: closing the channel stops the writer.
-    tx: Option<mpsc::UnboundedSender<Request>>,
-    /// The writer's: set when a flush or sync failed.
-    halt: Halt,
-    writer: Option<std::thread::JoinHandle<()>>,
+    writer: GroupWriter<Writer>,
     trees: Arc<Trees>,
     path: PathBuf,
     _lock: File,
@@ -864,22 +816,6 @@ impl std::fmt::Debug for SledStore {
         f.debug_struct("SledStore")
             .field("path", &self.path)
             .finish()
-    }
-}
-
-impl Drop for SledStore {
-    /// Stops the writer after the steps already sent, so that the database
-    /// is closed (and its files unlocked) once the store is gone.
-    fn drop(&mut self) {
-        self.tx.take();
-        // A writer stuck in a flush (a full disk) never returns: it is left
-        // to the process's exit.
-        if self.halt.reason().is_some() {
-            return;
-        }
-        if let Some(writer) = self.writer.take() {
-            let _ = writer.join();
-        }
     }
 }
 
@@ -964,21 +900,12 @@ impl SledStore {
             data_file,
             blobs_dir: path.join("blobs"),
             synced_blobs: HashSet::new(),
-            halt: Halt::default(),
         };
-        let halt = writer.halt.clone();
         writer.persist()?;
         sync_dir(&path)?;
         sync_dir(dir)?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let writer = std::thread::Builder::new()
-            .name("khata-ledger".into())
-            .spawn(move || writer_loop(writer, rx))
-            .map_err(unavailable)?;
         Ok(SledStore {
-            tx: Some(tx),
-            halt,
-            writer: Some(writer),
+            writer: GroupWriter::start(writer)?,
             trees,
             path,
             _lock: lock,
@@ -997,19 +924,7 @@ impl SledStore {
         T: Send + 'static,
         F: FnOnce(&mut Tx) -> Result<T, StoreError> + Send + 'static,
     {
-        let (reply, rx) = oneshot::channel();
-        let step: Step = Box::new(move |w: &mut Writer| {
-            let result = w.run(f);
-            Box::new(move |persisted: Result<(), StoreError>| {
-                let _ = reply.send(persisted.and(result));
-            })
-        });
-        self.tx
-            .as_ref()
-            .ok_or_else(|| unavailable("the ledger writer has stopped"))?
-            .send(Request { step, durable })
-            .map_err(|_| unavailable("the ledger writer has stopped"))?;
-        self.halt.answer(rx).await
+        self.writer.write(durable, move |w| w.run(f)).await
     }
 
     /// Runs `f` on the trees on the blocking pool.
@@ -1618,7 +1533,7 @@ fn ids_from(
 #[async_trait]
 impl Store for SledStore {
     fn halted(&self) -> Option<String> {
-        self.halt.reason()
+        self.writer.halt().reason()
     }
 
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {

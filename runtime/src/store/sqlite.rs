@@ -1,15 +1,11 @@
 //! The SQLite ledger: WAL, `synchronous = FULL`, one writer with group commit.
 //!
-//! One thread owns the only writing connection. It takes every step waiting
-//! in its channel (up to [`MAX_GROUP`]), applies each inside a savepoint of one
-//! transaction (a failing step rolls back alone), answers the **applied**
-//! steps, commits once — with `synchronous = FULL` the commit fsyncs the WAL —
-//! and then answers the **durable** steps. A failed commit fails every
-//! durable step of the group, and stops the writer for good ([`Halt`]):
-//! applied steps of that group (kv and index writes) were already answered
-//! to their attempts, so no later step may commit on top of their loss. The
-//! daemon sees the halt, exits non-zero, and recovery starts from what the
-//! disk holds.
+//! The store's one writer ([`super::writer`]) owns the only writing
+//! connection: a group is one transaction (`BEGIN IMMEDIATE` … `COMMIT`),
+//! each step runs inside a savepoint of it (a failing step rolls back
+//! alone), and with `synchronous = FULL` the commit fsyncs the WAL, so a
+//! group is durable against power loss once `COMMIT` returns. A failed
+//! commit is rolled back and halts the ledger ([`super::Halt`]).
 //!
 //! Readers use their own connections, which see committed state only.
 //!
@@ -27,11 +23,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rusqlite::{Connection, OptionalExtension, params};
-use tokio::sync::{mpsc, oneshot};
 
 use super::rules::{self, invalid_fence, stored_state, visible_state};
+use super::writer::{Engine, GroupWriter};
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, Halt, JobFilter, JobPage, PageBuilder,
+    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, PageBuilder,
     RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
 };
 use crate::job::{
@@ -39,8 +35,6 @@ use crate::job::{
     StateCounts,
 };
 
-/// Most steps applied in one transaction.
-const MAX_GROUP: usize = 1024;
 /// Reader connections kept open.
 const READERS: usize = 4;
 
@@ -188,31 +182,46 @@ CREATE INDEX index_tombstones ON index_docs (updated_at) WHERE document IS NULL;
 "#,
 ];
 
-/// A step for the writer: runs inside the group's transaction and returns
-/// the answer to send once its durability requirement is met.
-type Step = Box<dyn FnOnce(&mut Writer) -> Answer + Send>;
-
-/// Sends a step's result once the group's commit is known.
-type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
-
-struct Request {
-    step: Step,
-    durable: bool,
-}
-
-/// The writer thread's state.
+/// The writer thread's state: the writing connection and the counters it
+/// issues from (written into the group that issued them).
 struct Writer {
     conn: Connection,
     next_token: u64,
     next_seq: i64,
+    /// The counters as the group's transaction began.
+    group_start: (u64, i64),
     /// The WAL file, watched by [`bound_wal`].
     wal_path: PathBuf,
 }
 
+impl Engine for Writer {
+    fn begin(&mut self) -> Result<(), StoreError> {
+        self.group_start = (self.next_token, self.next_seq);
+        Ok(self.conn.execute_batch("BEGIN IMMEDIATE")?)
+    }
+
+    /// Commits the group's transaction, durable or not: a transaction cannot
+    /// stay open past its group.
+    fn commit(&mut self, _durable: bool) -> Result<bool, StoreError> {
+        persist_counters(self)?;
+        injected_commit_failure()?;
+        self.conn.execute_batch("COMMIT")?;
+        Ok(true)
+    }
+
+    fn abort(&mut self) {
+        let _ = self.conn.execute_batch("ROLLBACK");
+    }
+
+    /// One `stat` a commit: a microsecond beside the commit's fsync.
+    fn committed(&mut self) {
+        bound_wal(self);
+    }
+}
+
 /// A SQLite ledger in one file.
 pub struct SqliteStore {
-    tx: mpsc::UnboundedSender<Request>,
-    halt: Halt,
+    writer: GroupWriter<Writer>,
     readers: Arc<Mutex<Vec<Connection>>>,
     path: PathBuf,
     _lock: File,
@@ -316,18 +325,11 @@ impl SqliteStore {
             conn,
             next_token: u64::try_from(next_token).unwrap_or(0) + 1,
             next_seq: max_seq.max(meta_seq) + 1,
+            group_start: (0, 0),
             wal_path: PathBuf::from(format!("{}-wal", path.display())),
         };
-        let (tx, rx) = mpsc::unbounded_channel();
-        let halt = Halt::default();
-        let halting = halt.clone();
-        std::thread::Builder::new()
-            .name("khata-ledger".into())
-            .spawn(move || writer_loop(writer, rx, &halting))
-            .map_err(unavailable)?;
         Ok(SqliteStore {
-            tx,
-            halt,
+            writer: GroupWriter::start(writer)?,
             readers: Arc::new(Mutex::new(readers)),
             path,
             _lock: lock,
@@ -346,17 +348,9 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
     {
-        let (reply, rx) = oneshot::channel();
-        let step: Step = Box::new(move |w: &mut Writer| {
-            let result = in_savepoint(w, f);
-            Box::new(move |commit: Result<(), StoreError>| {
-                let _ = reply.send(commit.and(result));
-            })
-        });
-        self.tx
-            .send(Request { step, durable })
-            .map_err(|_| self.halt.error())?;
-        self.halt.answer(rx).await
+        self.writer
+            .write(durable, move |w| in_savepoint(w, f))
+            .await
     }
 
     /// Runs `f` on a reader connection on the blocking pool.
@@ -409,68 +403,6 @@ fn in_savepoint<T>(
             (w.next_token, w.next_seq) = saved;
             Err(e)
         }
-    }
-}
-
-/// Runs groups until the channel closes, a group cannot be committed or
-/// the ledger halted (a commit past its deadline); then it sets `halt` and
-/// returns, and the requests still queued are
-/// dropped (their callers get the halt's error).
-fn writer_loop(mut w: Writer, mut rx: mpsc::UnboundedReceiver<Request>, halt: &Halt) {
-    let mut group: Vec<Request> = Vec::with_capacity(MAX_GROUP);
-    let mut durable_answers: Vec<Answer> = Vec::with_capacity(MAX_GROUP);
-    while let Some(first) = rx.blocking_recv() {
-        // A commit that outlived `Halt::COMMIT_DEADLINE` and then returned
-        // leaves the ledger halted all the same: its waiters were answered
-        // with the halt's error, so nothing more is committed.
-        if halt.reason().is_some() {
-            return;
-        }
-        group.push(first);
-        while group.len() < MAX_GROUP {
-            match rx.try_recv() {
-                Ok(r) => group.push(r),
-                Err(_) => break,
-            }
-        }
-        if let Err(e) = w.conn.execute_batch("BEGIN IMMEDIATE") {
-            // No step of the group has run: dropping them answers each with
-            // the halt's error.
-            halt.set(format!("BEGIN failed: {e}"));
-            tracing::error!(error = %e, "the ledger could not begin a transaction; it takes no writes from now on");
-            return;
-        }
-        let (token_before, seq_before) = (w.next_token, w.next_seq);
-        for r in group.drain(..) {
-            let answer = (r.step)(&mut w);
-            if r.durable {
-                durable_answers.push(answer);
-            } else {
-                answer(Ok(()));
-            }
-        }
-        let started = Instant::now();
-        let committed = persist_counters(&w, token_before, seq_before)
-            .and_then(|()| injected_commit_failure())
-            .and_then(|()| {
-                halt.committing(|| w.conn.execute_batch("COMMIT"))
-                    .map_err(StoreError::from)
-            });
-        metrics::histogram!("khata_store_commit_seconds").record(started.elapsed().as_secs_f64());
-        metrics::histogram!("khata_store_commit_steps").record(durable_answers.len() as f64);
-        if let Err(e) = &committed {
-            tracing::error!(error = %e, "ledger commit failed; the ledger takes no writes from now on");
-            let _ = w.conn.execute_batch("ROLLBACK");
-            halt.set(format!("a commit failed: {e}"));
-        }
-        for answer in durable_answers.drain(..) {
-            answer(committed.clone());
-        }
-        if committed.is_err() {
-            return;
-        }
-        // One `stat` a commit: a microsecond beside the commit's fsync.
-        bound_wal(&w);
     }
 }
 
@@ -532,7 +464,8 @@ fn injected_commit_failure() -> Result<(), StoreError> {
 
 /// Writes the in-memory counters into the group's transaction, so that the
 /// fencing token only grows across restarts.
-fn persist_counters(w: &Writer, token_before: u64, seq_before: i64) -> Result<(), StoreError> {
+fn persist_counters(w: &Writer) -> Result<(), StoreError> {
+    let (token_before, seq_before) = w.group_start;
     if w.next_token != token_before {
         w.conn.execute(
             "UPDATE meta SET value = ?1 WHERE key = 'fencing_token'",
@@ -1204,7 +1137,7 @@ fn fence_resolve_step(
 #[async_trait]
 impl Store for SqliteStore {
     fn halted(&self) -> Option<String> {
-        self.halt.reason()
+        self.writer.halt().reason()
     }
 
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError> {
