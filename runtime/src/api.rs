@@ -27,7 +27,9 @@ use crate::job::{
 };
 use crate::queue::Queues;
 use crate::schedule::Schedules;
-use crate::store::{Fence, FenceId, FenceState, JobFilter, Resolution, Store, StoreError};
+use crate::store::{
+    DocId, Fence, FenceFilter, FenceId, FenceState, JobFilter, Resolution, Store, StoreError,
+};
 
 pub mod dashboard;
 pub mod guard;
@@ -749,7 +751,11 @@ async fn list_fences(
     }
     let fences = state
         .store
-        .fences(q.namespace.as_deref(), fence_state, limit)
+        .fences(&FenceFilter {
+            namespace: q.namespace,
+            state: fence_state,
+            limit,
+        })
         .await?;
     Ok(Json(
         json!({"fences": fences.iter().map(fence_json).collect::<Vec<_>>()}),
@@ -918,7 +924,10 @@ async fn get_document(
 ) -> ApiResult<Json<Value>> {
     let (doc, version) = state
         .store
-        .index_get(&collection, &id)
+        .index_get(&DocId {
+            collection: collection.clone(),
+            id: id.clone(),
+        })
         .await?
         .ok_or_else(|| {
             ApiError::new(

@@ -301,15 +301,21 @@ impl Lease {
     pub fn fence(&self) -> LeaseRef {
         LeaseRef {
             job_id: self.job_id.clone(),
+            attempt: self.attempt,
             token: self.token,
         }
     }
 }
 
-/// What an effect or an attempt's end names to prove it holds the lease.
+/// What an effect or an attempt's end names to prove it holds the lease:
+/// the job, the attempt (its number, from 1) and the attempt's token.
+///
+/// Invariant: `attempt` is the number of the attempt `token` was issued to,
+/// so that a fence records the attempt of the lease that took it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LeaseRef {
     pub job_id: String,
+    pub attempt: u32,
     pub token: u64,
 }
 

@@ -8,7 +8,7 @@
 //!   committed, so commits of many attempts share one fsync.
 //! - On a store that several daemons share, the queue's `concurrency` and
 //!   `rate_limit` also hold across all of them: every lease goes through
-//!   [`Store::lease_within`] with the queue's limits as configured now. A
+//!   [`Store::lease`] with the queue's limits as configured now. A
 //!   dispatcher held back by them waits for room (a wake-up, the window's
 //!   end, or the slow poll), never asks again at once. This daemon's own
 //!   slots and limiter stay: they bound what it runs by itself.
@@ -43,7 +43,7 @@ use crate::effects::http::Providers;
 use crate::effects::{Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, RunOutcome};
 use crate::job::{AttemptOutcome, Finish, Lease, LeaseRef, Millis};
-use crate::store::{Held, LeaseLimits, RateWindow, Store, StoreError};
+use crate::store::{Held, LeaseAsk, LeaseLimits, RateWindow, Store, StoreError};
 
 /// Most jobs leased in one store step.
 const LEASE_BATCH: u32 = 64;
@@ -620,7 +620,15 @@ impl Queues {
             let limits = lease_limits(&q.config());
             let leased = self
                 .store
-                .lease_within(&name, want, &plugin.version, now, &limits)
+                .lease(
+                    &LeaseAsk {
+                        queue: &name,
+                        max: want,
+                        plugin_version: &plugin.version,
+                        limits,
+                    },
+                    now,
+                )
                 .await;
             if leased.is_ok()
                 && let Some(since) = lease_failing.take()
@@ -740,7 +748,7 @@ impl Queues {
                 },
             );
         }
-        let effects = Effects::new(Arc::clone(&self.store), scope, lease.fence(), lease.attempt);
+        let effects = Effects::new(Arc::clone(&self.store), scope, lease.fence());
         let dead_letter = effects.dead_letter_flag();
         let input = JobInput {
             id: lease.job_id.clone(),

@@ -40,7 +40,7 @@ use crate::effects::{Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome};
 use crate::job::{Finish, Millis, NewJob};
 use crate::store::sqlite::SqliteStore;
-use crate::store::{Store, StoreError};
+use crate::store::{LeaseAsk, LeaseLimits, Store, StoreError};
 
 /// The job every run delivers.
 const JOB_ID: &str = "verify-job";
@@ -365,8 +365,17 @@ impl Bench {
     ) -> Result<Run, VerifyError> {
         let lease = ledger
             .store
-            .lease(&self.scope.queue, 1, &self.plugin.version, Millis::now())
+            .lease(
+                &LeaseAsk {
+                    queue: &self.scope.queue,
+                    max: 1,
+                    plugin_version: &self.plugin.version,
+                    limits: LeaseLimits::default(),
+                },
+                Millis::now(),
+            )
             .await?
+            .leases
             .pop()
             .ok_or_else(|| VerifyError::Failed("the job could not be leased".into()))?;
         let recorder = Arc::new(AttemptRecorder {
@@ -381,7 +390,6 @@ impl Bench {
             Arc::clone(&ledger.store),
             Arc::clone(&self.scope),
             lease.fence(),
-            lease.attempt,
             Arc::clone(&recorder) as Arc<dyn Recorder>,
         );
         let input = JobInput {

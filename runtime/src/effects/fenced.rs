@@ -156,13 +156,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
         self.step(Point::BeforeStarted).await;
         let begun = fx
             .store
-            .fence_begin(
-                &fx.lease,
-                fx.attempt,
-                &self.id,
-                &self.fingerprint,
-                Millis::now(),
-            )
+            .fence_begin(&fx.lease, &self.id, &self.fingerprint, Millis::now())
             .await
             .map_err(store_error);
         match begun {
@@ -214,13 +208,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
             Tried::Done(result) => {
                 self.step(Point::Started).await;
                 fx.store
-                    .fence_done(
-                        &fx.lease,
-                        fx.attempt,
-                        &self.id,
-                        result.clone(),
-                        Millis::now(),
-                    )
+                    .fence_done(&fx.lease, &self.id, result.clone(), Millis::now())
                     .await
                     .map_err(store_error)?;
                 self.record("performed").await;
@@ -265,11 +253,11 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
         match self.effect.reconcile(fx.lease.token).await {
             Reconciled::Happened(result) => {
                 fx.store
-                    .fence_take_over(&fx.lease, fx.attempt, &self.id, now)
+                    .fence_take_over(&fx.lease, &self.id, now)
                     .await
                     .map_err(store_error)?;
                 fx.store
-                    .fence_done(&fx.lease, fx.attempt, &self.id, result.clone(), now)
+                    .fence_done(&fx.lease, &self.id, result.clone(), now)
                     .await
                     .map_err(store_error)?;
                 self.record("reconciled:done").await;
@@ -313,7 +301,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
                 .await;
         }
         fx.store
-            .fence_take_over(&fx.lease, fx.attempt, &self.id, Millis::now())
+            .fence_take_over(&fx.lease, &self.id, Millis::now())
             .await
             .map_err(store_error)?;
         Box::pin(self.perform(performs + 1)).await
@@ -322,7 +310,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
     async fn mark_uncertain(&self) -> Result<Answer, EffectError> {
         let fx = self.effects;
         fx.store
-            .fence_uncertain(&fx.lease, fx.attempt, &self.id, Millis::now())
+            .fence_uncertain(&fx.lease, &self.id, Millis::now())
             .await
             .map_err(store_error)?;
         metrics::counter!("khata_fences_uncertain_total", "kind" => self.id.kind.clone())

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::{Grants, OnUncertain};
 use crate::job::{LeaseRef, Millis};
 use crate::store::RESOLVED_BY_OPERATOR;
-use crate::store::{EffectRecord, Store, StoreError, UpsertOutcome};
+use crate::store::{DocId, EffectRecord, KvPut, PutMode, Store, StoreError, UpsertOutcome};
 use email::{Mail, Mailer, SendError};
 use fenced::{Effect, Fenced, Reconciled, Tried};
 use http::{HttpError, HttpRequest, HttpResponse, Provider, Providers};
@@ -125,7 +125,6 @@ pub struct Effects {
     grants: Grants,
     on_uncertain: OnUncertain,
     lease: LeaseRef,
-    attempt: u32,
     dead: DeadLetter,
     /// Refused effect calls of this attempt so far.
     refusals: std::sync::atomic::AtomicU32,
@@ -168,7 +167,7 @@ fn check_value(what: &str, len: usize) -> Result<(), EffectError> {
 }
 
 impl Effects {
-    pub fn new(store: Arc<dyn Store>, scope: Arc<Scope>, lease: LeaseRef, attempt: u32) -> Effects {
+    pub fn new(store: Arc<dyn Store>, scope: Arc<Scope>, lease: LeaseRef) -> Effects {
         Effects {
             store,
             queue: scope.queue.clone(),
@@ -177,7 +176,6 @@ impl Effects {
             on_uncertain: scope.on_uncertain,
             scope,
             lease,
-            attempt,
             dead: DeadLetter::default(),
             refusals: std::sync::atomic::AtomicU32::new(0),
             recorder: None,
@@ -192,10 +190,9 @@ impl Effects {
         store: Arc<dyn Store>,
         scope: Arc<Scope>,
         lease: LeaseRef,
-        attempt: u32,
         recorder: Arc<dyn Recorder>,
     ) -> Effects {
-        let mut effects = Effects::new(store, scope, lease, attempt);
+        let mut effects = Effects::new(store, scope, lease);
         effects.recorder = Some(recorder);
         effects
     }
@@ -265,7 +262,7 @@ impl Effects {
         metrics::counter!("khata_effects_total", "kind" => kind.to_owned(), "outcome" => outcome.to_owned())
             .increment(1);
         let record = EffectRecord {
-            attempt: self.attempt,
+            attempt: self.lease.attempt,
             kind: kind.to_owned(),
             key: key.to_owned(),
             outcome: outcome.to_owned(),
@@ -353,10 +350,19 @@ impl Effects {
             "kv",
             key,
             &request,
-            self.store
-                .kv_put(&self.lease, &self.namespace, key, value, Millis::now()),
+            self.store.kv_put(
+                &self.lease,
+                KvPut {
+                    ns: self.namespace.clone(),
+                    key: key.to_owned(),
+                    value,
+                    mode: PutMode::Replace,
+                },
+                Millis::now(),
+            ),
         )
         .await
+        .map(drop)
     }
 
     pub async fn kv_insert_if_absent(
@@ -372,8 +378,16 @@ impl Effects {
             "kv",
             key,
             &request,
-            self.store
-                .kv_insert_if_absent(&self.lease, &self.namespace, key, value, Millis::now()),
+            self.store.kv_put(
+                &self.lease,
+                KvPut {
+                    ns: self.namespace.clone(),
+                    key: key.to_owned(),
+                    value,
+                    mode: PutMode::IfAbsent,
+                },
+                Millis::now(),
+            ),
         )
         .await
     }
@@ -448,7 +462,13 @@ impl Effects {
         check_key("a document id", id)?;
         Ok(self
             .store
-            .index_get_leased(&self.lease, collection, id)
+            .index_get_leased(
+                &self.lease,
+                &DocId {
+                    collection: collection.to_owned(),
+                    id: id.to_owned(),
+                },
+            )
             .await?)
     }
 

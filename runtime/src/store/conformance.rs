@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    EffectRecord, FenceBegin, FenceId, FenceState, JobFilter, Resolution, RetentionRules, Store,
-    StoreError, UpsertOutcome,
+    DocId, EffectRecord, FenceBegin, FenceFilter, FenceId, FenceState, JobFilter, KvPut, LeaseAsk,
+    LeaseLimits, PutMode, Resolution, RetentionRules, Store, StoreError, UpsertOutcome,
 };
-use crate::job::{AttemptOutcome, Finish, JobState, LeaseRef, Millis, NewJob};
+use crate::job::{AttemptOutcome, Finish, JobState, Lease, LeaseRef, Millis, NewJob};
 
 /// Generates one `#[tokio::test]` per conformance check. `$open` is an
 /// expression for a closure returning a future of `(guard, Arc<dyn Store>)`;
@@ -72,13 +72,70 @@ fn with_key(mut j: NewJob, key: &str) -> NewJob {
     j
 }
 
+/// [`Store::lease`] without limits, answering the leases only: what the
+/// checks and the backends' own tests ask for.
+pub trait LeaseUpTo {
+    fn lease_up_to(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+    ) -> impl std::future::Future<Output = Result<Vec<Lease>, StoreError>> + Send;
+}
+
+impl<S: Store + ?Sized> LeaseUpTo for S {
+    async fn lease_up_to(
+        &self,
+        queue: &str,
+        max: u32,
+        plugin_version: &str,
+        now: Millis,
+    ) -> Result<Vec<Lease>, StoreError> {
+        let ask = LeaseAsk {
+            queue,
+            max,
+            plugin_version,
+            limits: LeaseLimits::default(),
+        };
+        Ok(self.lease(&ask, now).await?.leases)
+    }
+}
+
+/// A kv write, for the checks and the backends' own tests.
+pub fn put(ns: &str, key: &str, value: Vec<u8>, mode: PutMode) -> KvPut {
+    KvPut {
+        ns: ns.to_owned(),
+        key: key.to_owned(),
+        value,
+        mode,
+    }
+}
+
+/// A document's id, for the checks and the backends' own tests.
+pub fn doc(collection: &str, id: &str) -> DocId {
+    DocId {
+        collection: collection.to_owned(),
+        id: id.to_owned(),
+    }
+}
+
+/// A fence listing, for the checks and the backends' own tests.
+pub fn fence_filter(namespace: Option<&str>, state: Option<FenceState>, limit: u32) -> FenceFilter {
+    FenceFilter {
+        namespace: namespace.map(str::to_owned),
+        state,
+        limit,
+    }
+}
+
 async fn enqueue1(s: &dyn Store, j: NewJob, now: Millis) -> (String, bool) {
     let r = s.enqueue(vec![j], now).await.expect("enqueue");
     (r[0].job.id.clone(), r[0].deduplicated)
 }
 
 async fn lease1(s: &dyn Store, queue: &str, now: Millis) -> crate::job::Lease {
-    let mut l = s.lease(queue, 1, "v1", now).await.expect("lease");
+    let mut l = s.lease_up_to(queue, 1, "v1", now).await.expect("lease");
     assert_eq!(l.len(), 1, "expected one job to lease in {queue}");
     l.remove(0)
 }
@@ -271,7 +328,7 @@ pub async fn delivery_order(s: Arc<dyn Store>) {
         jobs.push(j);
     }
     s.enqueue(jobs, T0).await.unwrap();
-    let leases = s.lease("q", 10, "v1", T0).await.unwrap();
+    let leases = s.lease_up_to("q", 10, "v1", T0).await.unwrap();
     let order: Vec<&str> = leases.iter().map(|l| l.job_id.as_str()).collect();
     assert_eq!(order, ["p9", "p5", "p0-early", "p0-early-2", "p0-late"]);
     let tokens: Vec<u64> = leases.iter().map(|l| l.token).collect();
@@ -287,7 +344,12 @@ pub async fn delayed_jobs_wait(s: Arc<dyn Store>) {
     s.enqueue(vec![j], T0).await.unwrap();
     assert_eq!(state(&*s, "later", T0).await, JobState::Delayed);
     assert_eq!(s.next_run_at("q").await.unwrap(), Some(at(1_000)));
-    assert!(s.lease("q", 10, "v1", at(999)).await.unwrap().is_empty());
+    assert!(
+        s.lease_up_to("q", 10, "v1", at(999))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(state(&*s, "later", at(1_000)).await, JobState::Waiting);
     let l = lease1(&*s, "q", at(1_000)).await;
     assert_eq!(l.job_id, "later");
@@ -299,8 +361,8 @@ pub async fn tokens_grow_and_leases_are_exclusive(s: Arc<dyn Store>) {
     s.enqueue((0..5).map(|i| new_job("q", &i.to_string())).collect(), T0)
         .await
         .unwrap();
-    let a = s.lease("q", 3, "v1", T0).await.unwrap();
-    let b = s.lease("q", 3, "v1", T0).await.unwrap();
+    let a = s.lease_up_to("q", 3, "v1", T0).await.unwrap();
+    let b = s.lease_up_to("q", 3, "v1", T0).await.unwrap();
     assert_eq!((a.len(), b.len()), (3, 2));
     let tokens: Vec<u64> = a.iter().chain(&b).map(|l| l.token).collect();
     assert!(
@@ -311,7 +373,7 @@ pub async fn tokens_grow_and_leases_are_exclusive(s: Arc<dyn Store>) {
     ids.sort_unstable();
     ids.dedup();
     assert_eq!(ids.len(), 5, "no job leased twice");
-    assert!(s.lease("q", 3, "v1", T0).await.unwrap().is_empty());
+    assert!(s.lease_up_to("q", 3, "v1", T0).await.unwrap().is_empty());
     assert!(a.iter().all(|l| l.attempt == 1));
 }
 
@@ -338,7 +400,11 @@ pub async fn finish_outcomes(s: Arc<dyn Store>) {
     assert_eq!(job.attempts[0].ended_at, Some(at(10)));
     assert_eq!(job.attempts[0].plugin_version.as_deref(), Some("v1"));
     // Each attempt records the plugin version it was leased for.
-    let l2 = s.lease("q", 1, "v2", at(500)).await.unwrap().remove(0);
+    let l2 = s
+        .lease_up_to("q", 1, "v2", at(500))
+        .await
+        .unwrap()
+        .remove(0);
     assert_eq!(l2.attempt, 2);
     assert!(l2.token > l.token);
     // The first attempt's lease is gone: its finish is fenced.
@@ -374,7 +440,10 @@ pub async fn finish_outcomes(s: Arc<dyn Store>) {
         .collect();
     assert_eq!(versions, [Some("v1"), Some("v2")]);
     assert!(
-        s.lease("q", 10, "v1", at(10_000)).await.unwrap().is_empty(),
+        s.lease_up_to("q", 10, "v1", at(10_000))
+            .await
+            .unwrap()
+            .is_empty(),
         "a completed job never runs again"
     );
 }
@@ -472,7 +541,13 @@ pub async fn cancel_and_retry(s: Arc<dyn Store>) {
     assert_eq!(l.job_id, active);
     let (_, was_active) = s.cancel(&active, at(3)).await.unwrap();
     assert!(was_active);
-    let kv = s.kv_put(&l.fence(), "ns", "k", b"v".to_vec(), at(3)).await;
+    let kv = s
+        .kv_put(
+            &l.fence(),
+            put("ns", "k", b"v".to_vec(), PutMode::Replace),
+            at(3),
+        )
+        .await;
     assert!(
         matches!(kv, Err(StoreError::Fenced { .. })),
         "a cancelled attempt is fenced: {kv:?}"
@@ -504,7 +579,7 @@ pub async fn recover_abandoned(s: Arc<dyn Store>) {
     )
     .await
     .unwrap();
-    let leases = s.lease("q", 2, "v1", T0).await.unwrap();
+    let leases = s.lease_up_to("q", 2, "v1", T0).await.unwrap();
     assert_eq!(leases.len(), 2);
     assert_eq!(s.recover(at(100)).await.unwrap(), 2);
     let a = s.job("a", at(100)).await.unwrap().unwrap();
@@ -527,12 +602,12 @@ pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
     let l = lease1(&*s, "q", T0).await.fence();
     assert_eq!(s.kv_get(&l, "ns", "k").await.unwrap(), None);
     assert!(
-        s.kv_insert_if_absent(&l, "ns", "k", b"1".to_vec(), T0)
+        s.kv_put(&l, put("ns", "k", b"1".to_vec(), PutMode::IfAbsent), T0)
             .await
             .unwrap()
     );
     assert!(
-        !s.kv_insert_if_absent(&l, "ns", "k", b"2".to_vec(), T0)
+        !s.kv_put(&l, put("ns", "k", b"2".to_vec(), PutMode::IfAbsent), T0)
             .await
             .unwrap()
     );
@@ -545,7 +620,9 @@ pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
         None,
         "namespaces are apart"
     );
-    s.kv_put(&l, "ns", "k", b"3".to_vec(), T0).await.unwrap();
+    s.kv_put(&l, put("ns", "k", b"3".to_vec(), PutMode::Replace), T0)
+        .await
+        .unwrap();
     assert_eq!(
         s.kv_get(&l, "ns", "k").await.unwrap().as_deref(),
         Some(&b"3"[..])
@@ -554,10 +631,12 @@ pub async fn kv_semantics_and_fencing(s: Arc<dyn Store>) {
     assert!(!s.kv_delete(&l, "ns", "k").await.unwrap());
     let forged = LeaseRef {
         job_id: l.job_id.clone(),
+        attempt: l.attempt,
         token: l.token + 1000,
     };
     assert!(matches!(
-        s.kv_put(&forged, "ns", "k", vec![], T0).await,
+        s.kv_put(&forged, put("ns", "k", vec![], PutMode::Replace), T0)
+            .await,
         Err(StoreError::Fenced { .. })
     ));
     assert_eq!(
@@ -584,7 +663,7 @@ pub async fn index_versions(s: Arc<dyn Store>) {
     assert_eq!(up("v5", 5).await, UpsertOutcome::Stale);
     assert_eq!(up("v20", 20).await, UpsertOutcome::Updated);
     assert_eq!(
-        s.index_get_leased(&l, "products", "p1")
+        s.index_get_leased(&l, &doc("products", "p1"))
             .await
             .unwrap()
             .as_deref(),
@@ -596,7 +675,9 @@ pub async fn index_versions(s: Arc<dyn Store>) {
     );
     assert!(s.index_remove(&l, "products", "p1", 25, T0).await.unwrap());
     assert_eq!(
-        s.index_get_leased(&l, "products", "p1").await.unwrap(),
+        s.index_get_leased(&l, &doc("products", "p1"))
+            .await
+            .unwrap(),
         None
     );
     assert_eq!(
@@ -608,10 +689,10 @@ pub async fn index_versions(s: Arc<dyn Store>) {
     // Operators read committed state: the attempt's end carries the writes.
     complete(&*s, &lease, at(1)).await;
     assert_eq!(
-        s.index_get("products", "p1").await.unwrap(),
+        s.index_get(&doc("products", "p1")).await.unwrap(),
         Some(("v30".into(), 30))
     );
-    assert_eq!(s.index_get("other", "p1").await.unwrap(), None);
+    assert_eq!(s.index_get(&doc("other", "p1")).await.unwrap(), None);
 }
 
 /// Each kind goes after its own window, counted from its own clock; what is
@@ -629,7 +710,7 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
     )
     .await
     .unwrap();
-    let ls = s.lease("q", 4, "v1", T0).await.unwrap();
+    let ls = s.lease_up_to("q", 4, "v1", T0).await.unwrap();
     let writer = ls.iter().find(|l| l.job_id == "writer").unwrap().fence();
     // kv: "cache" keeps a day, "forever" has no rule.
     for (ns, key, when) in [
@@ -637,7 +718,7 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
         ("cache", "new", T0.plus(day * 7)),
         ("forever", "old", T0),
     ] {
-        s.kv_put(&writer, ns, key, b"v".to_vec(), when)
+        s.kv_put(&writer, put(ns, key, b"v".to_vec(), PutMode::Replace), when)
             .await
             .unwrap();
     }
@@ -893,41 +974,33 @@ pub async fn fence_table(s: Arc<dyn Store>) {
     let lb = lease1(&*s, "q", T0).await;
     let id = fence_id("charge-1");
     // absent → started
-    let begun = s
-        .fence_begin(&la.fence(), 1, &id, b"fp1", T0)
-        .await
-        .unwrap();
+    let begun = s.fence_begin(&la.fence(), &id, b"fp1", T0).await.unwrap();
     assert_eq!(begun, FenceBegin::Started);
     // started by a live attempt → in progress, for anyone
-    let other = s
-        .fence_begin(&lb.fence(), 1, &id, b"fp1", T0)
-        .await
-        .unwrap();
+    let other = s.fence_begin(&lb.fence(), &id, b"fp1", T0).await.unwrap();
     assert_eq!(other, FenceBegin::InProgress { job_id: "a".into() });
     // another request under the same key → key reused
     assert_eq!(
-        s.fence_begin(&lb.fence(), 1, &id, b"fp2", T0)
-            .await
-            .unwrap(),
+        s.fence_begin(&lb.fence(), &id, b"fp2", T0).await.unwrap(),
         FenceBegin::KeyReused
     );
     // only the holder records the result
     assert!(matches!(
-        s.fence_done(&lb.fence(), 1, &id, b"x".to_vec(), T0).await,
+        s.fence_done(&lb.fence(), &id, b"x".to_vec(), T0).await,
         Err(StoreError::InvalidFence { .. })
     ));
-    s.fence_done(&la.fence(), 1, &id, b"response".to_vec(), at(1))
+    s.fence_done(&la.fence(), &id, b"response".to_vec(), at(1))
         .await
         .unwrap();
     // done, same request → replay; other request → key reused
     assert_eq!(
-        s.fence_begin(&lb.fence(), 1, &id, b"fp1", at(2))
+        s.fence_begin(&lb.fence(), &id, b"fp1", at(2))
             .await
             .unwrap(),
         FenceBegin::Replay(b"response".to_vec())
     );
     assert_eq!(
-        s.fence_begin(&lb.fence(), 1, &id, b"fp2", at(2))
+        s.fence_begin(&lb.fence(), &id, b"fp2", at(2))
             .await
             .unwrap(),
         FenceBegin::KeyReused
@@ -935,24 +1008,25 @@ pub async fn fence_table(s: Arc<dyn Store>) {
     // a stale attempt cannot begin anything
     let forged = LeaseRef {
         job_id: "a".into(),
+        attempt: la.attempt,
         token: la.token + 100,
     };
     assert!(matches!(
-        s.fence_begin(&forged, 1, &fence_id("other"), b"fp", at(3))
+        s.fence_begin(&forged, &fence_id("other"), b"fp", at(3))
             .await,
         Err(StoreError::Fenced { .. })
     ));
     // release: the effect did not happen; the next try starts afresh
     let id2 = fence_id("charge-2");
     assert_eq!(
-        s.fence_begin(&la.fence(), 1, &id2, b"fp", at(3))
+        s.fence_begin(&la.fence(), &id2, b"fp", at(3))
             .await
             .unwrap(),
         FenceBegin::Started
     );
     s.fence_release(&la.fence(), &id2).await.unwrap();
     assert_eq!(
-        s.fence_begin(&lb.fence(), 1, &id2, b"fp", at(4))
+        s.fence_begin(&lb.fence(), &id2, b"fp", at(4))
             .await
             .unwrap(),
         FenceBegin::Started
@@ -964,16 +1038,14 @@ pub async fn fence_of_a_dead_attempt(s: Arc<dyn Store>) {
     let first = lease1(&*s, "q", T0).await;
     let id = fence_id("mail-1");
     assert_eq!(
-        s.fence_begin(&first.fence(), 1, &id, b"fp", T0)
-            .await
-            .unwrap(),
+        s.fence_begin(&first.fence(), &id, b"fp", T0).await.unwrap(),
         FenceBegin::Started
     );
     // The daemon dies between started and done.
     s.recover(at(10)).await.unwrap();
     let second = lease1(&*s, "q", at(10)).await;
     let FenceBegin::Abandoned(f) = s
-        .fence_begin(&second.fence(), 2, &id, b"fp", at(11))
+        .fence_begin(&second.fence(), &id, b"fp", at(11))
         .await
         .unwrap()
     else {
@@ -984,11 +1056,11 @@ pub async fn fence_of_a_dead_attempt(s: Arc<dyn Store>) {
         (FenceState::Started, "a", first.token)
     );
     // The dead attempt cannot record anything any more once taken over.
-    s.fence_take_over(&second.fence(), 2, &id, at(12))
+    s.fence_take_over(&second.fence(), &id, at(12))
         .await
         .unwrap();
     assert!(
-        s.fence_done(&first.fence(), 1, &id, b"late".to_vec(), at(12))
+        s.fence_done(&first.fence(), &id, b"late".to_vec(), at(12))
             .await
             .is_err()
     );
@@ -996,23 +1068,23 @@ pub async fn fence_of_a_dead_attempt(s: Arc<dyn Store>) {
     enqueue1(&*s, with_id(new_job("q", "2"), "b"), at(12)).await;
     let other = lease1(&*s, "q", at(12)).await;
     assert_eq!(
-        s.fence_begin(&other.fence(), 1, &id, b"fp", at(12))
+        s.fence_begin(&other.fence(), &id, b"fp", at(12))
             .await
             .unwrap(),
         FenceBegin::InProgress { job_id: "a".into() }
     );
     // The holder's own next call finds its earlier call over: unknown.
     assert!(matches!(
-        s.fence_begin(&second.fence(), 2, &id, b"fp", at(12))
+        s.fence_begin(&second.fence(), &id, b"fp", at(12))
             .await
             .unwrap(),
         FenceBegin::Abandoned(_)
     ));
-    s.fence_done(&second.fence(), 2, &id, b"sent".to_vec(), at(13))
+    s.fence_done(&second.fence(), &id, b"sent".to_vec(), at(13))
         .await
         .unwrap();
     let fences = s
-        .fences(Some("ns"), Some(FenceState::Done), 10)
+        .fences(&fence_filter(Some("ns"), Some(FenceState::Done), 10))
         .await
         .unwrap();
     assert_eq!(fences.len(), 1);
@@ -1027,9 +1099,7 @@ pub async fn uncertain_fences_and_resolution(s: Arc<dyn Store>) {
     let first = lease1(&*s, "q", T0).await;
     let (done_id, not_done_id) = (fence_id("m-done"), fence_id("m-not-done"));
     for id in [&done_id, &not_done_id] {
-        s.fence_begin(&first.fence(), 1, id, b"fp", T0)
-            .await
-            .unwrap();
+        s.fence_begin(&first.fence(), id, b"fp", T0).await.unwrap();
     }
     // A live attempt's fence cannot be resolved by hand.
     assert!(matches!(
@@ -1040,23 +1110,23 @@ pub async fn uncertain_fences_and_resolution(s: Arc<dyn Store>) {
     let second = lease1(&*s, "q", at(10)).await;
     for id in [&done_id, &not_done_id] {
         assert!(matches!(
-            s.fence_begin(&second.fence(), 2, id, b"fp", at(11))
+            s.fence_begin(&second.fence(), id, b"fp", at(11))
                 .await
                 .unwrap(),
             FenceBegin::Abandoned(_)
         ));
-        s.fence_uncertain(&second.fence(), 2, id, at(11))
+        s.fence_uncertain(&second.fence(), id, at(11))
             .await
             .unwrap();
         assert!(matches!(
-            s.fence_begin(&second.fence(), 2, id, b"fp", at(12))
+            s.fence_begin(&second.fence(), id, b"fp", at(12))
                 .await
                 .unwrap(),
             FenceBegin::Uncertain(_)
         ));
     }
     let uncertain = s
-        .fences(None, Some(FenceState::Uncertain), 10)
+        .fences(&fence_filter(None, Some(FenceState::Uncertain), 10))
         .await
         .unwrap();
     assert_eq!(uncertain.len(), 2);
@@ -1067,13 +1137,13 @@ pub async fn uncertain_fences_and_resolution(s: Arc<dyn Store>) {
         .await
         .unwrap();
     assert!(matches!(
-        s.fence_begin(&second.fence(), 2, &done_id, b"fp", at(21))
+        s.fence_begin(&second.fence(), &done_id, b"fp", at(21))
             .await
             .unwrap(),
         FenceBegin::Replay(_)
     ));
     assert_eq!(
-        s.fence_begin(&second.fence(), 2, &not_done_id, b"fp", at(21))
+        s.fence_begin(&second.fence(), &not_done_id, b"fp", at(21))
             .await
             .unwrap(),
         FenceBegin::Started

@@ -312,6 +312,19 @@ impl Record {
         }
     }
 
+    /// The parts of the record's key, in the order its section pages by:
+    /// a page that ends with it goes on after this key.
+    pub fn key(&self) -> Vec<String> {
+        match self {
+            Record::Job(j) => vec![j.id.clone()],
+            Record::Dedup(d) => vec![d.queue.clone(), d.key.clone()],
+            Record::Fence(f) => vec![f.namespace.clone(), f.kind.clone(), f.key.clone()],
+            Record::Kv(k) => vec![k.namespace.clone(), k.key.clone()],
+            Record::Index(i) => vec![i.collection.clone(), i.id.clone()],
+            Record::Counters(_) => Vec::new(),
+        }
+    }
+
     /// What the record is, for messages: `job "x"`, `fence ns/http/key`, ...
     pub fn describe(&self) -> String {
         match self {
@@ -345,6 +358,48 @@ impl Counters {
 }
 
 /// The error of a backend without export or import.
+/// The error of an export that found a stored row it cannot read.
+pub fn unreadable(what: String) -> StoreError {
+    StoreError::Unavailable(format!("cannot export {what}"))
+}
+
+impl ExportPage {
+    /// The page of `records` read from `cursor` with `limit`: a full page
+    /// goes on after its last record, a short one at the next section.
+    pub fn of(cursor: &Cursor, limit: u32, records: Vec<Record>) -> ExportPage {
+        let last = records.last().map(Record::key).unwrap_or_default();
+        let next = Cursor::after_page(cursor.section, records.len(), limit, last);
+        ExportPage { records, next }
+    }
+}
+
+impl FenceRecord {
+    /// The record of stored fence `f`, whose state column holds `state`: a
+    /// state this build does not know refuses the export rather than copy
+    /// a fence as something it is not.
+    pub fn exported(f: super::Fence, state: &str) -> Result<FenceRecord, StoreError> {
+        let state = FenceState::parse(state).ok_or_else(|| {
+            unreadable(format!(
+                "fence {}/{}/{}: unknown state {state:?}",
+                f.id.namespace, f.id.kind, f.id.key
+            ))
+        })?;
+        Ok(FenceRecord {
+            namespace: f.id.namespace,
+            kind: f.id.kind,
+            key: f.id.key,
+            state,
+            fingerprint: f.fingerprint,
+            job_id: f.job_id,
+            attempt: f.attempt,
+            token: f.token,
+            result: f.result,
+            created_at: f.created_at,
+            updated_at: f.updated_at,
+        })
+    }
+}
+
 pub fn unsupported(what: &str) -> StoreError {
     StoreError::Unavailable(format!(
         "this backend cannot {what} its ledger (khata store copy does not support it yet)"

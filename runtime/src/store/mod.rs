@@ -298,7 +298,7 @@ impl Swept {
     }
 }
 
-/// A queue's limits as [`Store::lease_within`] keeps them across daemons.
+/// A queue's limits as [`Store::lease`] keeps them across daemons.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LeaseLimits {
     /// Most attempts of the queue holding an unexpired lease at once.
@@ -314,7 +314,7 @@ pub struct RateWindow {
     pub per: Duration,
 }
 
-/// What [`Store::lease_within`] leased, and why not more.
+/// What [`Store::lease`] leased, and why not more.
 #[derive(Debug, Default)]
 pub struct Leased {
     pub leases: Vec<Lease>,
@@ -332,6 +332,52 @@ pub enum Held {
     Rate(Duration),
 }
 
+/// What every ledger operation answers.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// What a lease asks for: up to `max` jobs of `queue` for handlers of
+/// `plugin_version`, within `limits`.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseAsk<'a> {
+    pub queue: &'a str,
+    pub max: u32,
+    pub plugin_version: &'a str,
+    pub limits: LeaseLimits,
+}
+
+/// A kv write: `value` at (`ns`, `key`), replacing what is there or only
+/// when nothing is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvPut {
+    pub ns: String,
+    pub key: String,
+    pub value: Vec<u8>,
+    pub mode: PutMode,
+}
+
+/// Whether a [`KvPut`] replaces a stored value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutMode {
+    Replace,
+    IfAbsent,
+}
+
+/// A document of the index: its collection and id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DocId {
+    pub collection: String,
+    pub id: String,
+}
+
+/// Which fences an operator lists: of `namespace` and in `state` when
+/// given, at most `limit`, most recently changed first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FenceFilter {
+    pub namespace: Option<String>,
+    pub state: Option<FenceState>,
+    pub limit: u32,
+}
+
 /// The ledger's operations. Every backend implements all of them with the
 /// same semantics; `conformance::run` checks that.
 #[async_trait]
@@ -340,51 +386,25 @@ pub trait Store: Send + Sync + 'static {
     /// dedup key (DESIGN 3). Answers in the order given. **Durable.**
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError>;
 
-    /// Leases up to `max` jobs of `queue` that are waiting with `run_at <= now`,
-    /// in delivery order (priority desc, run_at, enqueue order); each gets a new
-    /// attempt, recorded with the `plugin_version` it will run on, and a fresh
-    /// fencing token. **Applied.**
+    /// Leases up to `ask.max` jobs of `ask.queue` that are waiting with
+    /// `run_at <= now`, in delivery order (priority desc, run_at, enqueue
+    /// order); each gets a new attempt, recorded with the plugin version it
+    /// will run on, and a fresh fencing token. **Applied.**
     ///
-    /// `max` is the only bound: the queue's `concurrency` and `rate_limit`
-    /// are the caller's to keep. A store that several daemons share keeps
-    /// them across all daemons in [`Store::lease_within`], which the
-    /// dispatcher calls.
-    async fn lease(
-        &self,
-        queue: &str,
-        max: u32,
-        plugin_version: &str,
-        now: Millis,
-    ) -> Result<Vec<Lease>, StoreError>;
-
-    /// [`Store::lease`] within `limits`, which hold across every daemon
-    /// that shares this store: it leases no job that would bring the
-    /// attempts of `queue` in flight (holding an unexpired lease, except
-    /// this store's attempts whose [`Store::finish`] is on its way: their
-    /// handlers have ended) above `limits.concurrency`, or the attempts of
-    /// `queue` started in any window of `limits.rate.per` (on the store's
-    /// clock) above `limits.rate.max`, counting every daemon's leases made
-    /// through this method. Fewer leases than `max` come back when the limits leave less
-    /// room; [`Leased::held`] then says why, so that the caller waits
-    /// instead of asking again at once. **Applied.**
+    /// A store that several daemons share keeps `ask.limits` across all of
+    /// them: it leases no job that would bring the attempts of the queue in
+    /// flight (holding an unexpired lease, except this store's attempts whose
+    /// [`Store::finish`] is on its way: their handlers have ended) above
+    /// `limits.concurrency`, or the attempts of the queue started in any
+    /// window of `limits.rate.per` (on the store's clock) above
+    /// `limits.rate.max`, counting every daemon's leases. Fewer leases than
+    /// `max` come back when the limits leave less room; [`Leased::held`] then
+    /// says why, so that the caller waits instead of asking again at once.
     ///
-    /// The default is for a store that one daemon owns (its lock file
-    /// keeps others out): that daemon's own concurrency slots and rate
-    /// limiter are then the whole count, and `limits` adds nothing.
-    async fn lease_within(
-        &self,
-        queue: &str,
-        max: u32,
-        plugin_version: &str,
-        now: Millis,
-        limits: &LeaseLimits,
-    ) -> Result<Leased, StoreError> {
-        let _ = limits;
-        Ok(Leased {
-            leases: self.lease(queue, max, plugin_version, now).await?,
-            held: None,
-        })
-    }
+    /// A store that one daemon owns (its lock file keeps others out) leaves
+    /// the limits to that daemon: its own concurrency slots and rate limiter
+    /// are then the whole count, and `max` is the only bound.
+    async fn lease(&self, ask: &LeaseAsk<'_>, now: Millis) -> Result<Leased>;
 
     /// The earliest `run_at` of a waiting job of `queue`, if any. Committed state.
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError>;
@@ -392,12 +412,7 @@ pub trait Store: Send + Sync + 'static {
     /// Ends the attempt holding `lease` and moves its job. `Fenced` when the
     /// attempt no longer holds the job (cancelled meanwhile); the attempt's
     /// record is still closed. Returns the job's new state. **Durable.**
-    async fn finish(
-        &self,
-        lease: &LeaseRef,
-        finish: Finish,
-        now: Millis,
-    ) -> Result<JobState, StoreError>;
+    async fn finish(&self, lease: &LeaseRef, finish: Finish, now: Millis) -> Result<JobState>;
 
     /// Crash recovery, run once at start before any lease: every `active`
     /// job's attempt is closed as abandoned (counted), and the job goes back to
@@ -430,42 +445,17 @@ pub trait Store: Send + Sync + 'static {
     /// keys: at most `limit` rows of each kind per pass, so that one pass is
     /// one bounded write. **Durable**: what it reports removed stays
     /// removed.
-    async fn sweep(
-        &self,
-        now: Millis,
-        rules: &RetentionRules,
-        limit: u32,
-    ) -> Result<Swept, StoreError>;
+    async fn sweep(&self, now: Millis, rules: &RetentionRules, limit: u32) -> Result<Swept>;
 
     // Handler-facing kv and index steps. Each checks first that `lease` still
     // holds its job (else `Fenced`) and is **applied**: durable no later than
     // the attempt's next durable step (its finish or an external effect).
 
-    async fn kv_get(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-    ) -> Result<Option<Vec<u8>>, StoreError>;
-    /// Writes `value`; `now` is the entry's write time, from which
-    /// [`RetentionRules::kv`] counts.
-    async fn kv_put(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<(), StoreError>;
-    /// True when inserted; false when the key existed (nothing changed).
-    async fn kv_insert_if_absent(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<bool, StoreError>;
+    async fn kv_get(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<Option<Vec<u8>>>;
+    /// Writes `put.value` (unless `put.mode` is `IfAbsent` and the key
+    /// exists: then nothing changes); true when it was written. `now` is the
+    /// entry's write time, from which [`RetentionRules::kv`] counts.
+    async fn kv_put(&self, lease: &LeaseRef, put: KvPut, now: Millis) -> Result<bool>;
     /// True when a value was deleted.
     async fn kv_delete(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<bool, StoreError>;
 
@@ -491,18 +481,9 @@ pub trait Store: Send + Sync + 'static {
         version: u64,
         now: Millis,
     ) -> Result<bool, StoreError>;
-    async fn index_get_leased(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<String>, StoreError>;
+    async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>>;
     /// A document and its version, for operators. Committed state.
-    async fn index_get(
-        &self,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<(String, u64)>, StoreError>;
+    async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>>;
 
     // Fences of external effects (DESIGN 4).
 
@@ -513,7 +494,6 @@ pub trait Store: Send + Sync + 'static {
     async fn fence_begin(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         fingerprint: &[u8],
         now: Millis,
@@ -521,19 +501,12 @@ pub trait Store: Send + Sync + 'static {
     /// Checks `lease` and makes an abandoned `started` fence this attempt's,
     /// to perform the effect again (idempotent provider, or policy `repeat`).
     /// **Durable.**
-    async fn fence_take_over(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError>;
+    async fn fence_take_over(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()>;
     /// Records the effect's result: `done`. No lease check — the effect
     /// happened — but the fence must still be this attempt's. **Durable.**
     async fn fence_done(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         result: Vec<u8>,
         now: Millis,
@@ -543,29 +516,13 @@ pub trait Store: Send + Sync + 'static {
     async fn fence_release(&self, lease: &LeaseRef, id: &FenceId) -> Result<(), StoreError>;
     /// Marks a fence of this attempt, or one abandoned by a dead attempt,
     /// `uncertain` for an operator. **Durable.**
-    async fn fence_uncertain(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError>;
+    async fn fence_uncertain(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()>;
     /// An operator resolves an uncertain fence (or one started by a dead
     /// attempt). `NotFound` when there is no such fence, `InvalidFence` when
     /// it is done or held by a live attempt. **Durable.**
-    async fn fence_resolve(
-        &self,
-        id: &FenceId,
-        resolution: Resolution,
-        now: Millis,
-    ) -> Result<(), StoreError>;
+    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()>;
     /// Fences for operators, most recently changed first. Committed state.
-    async fn fences(
-        &self,
-        namespace: Option<&str>,
-        state: Option<FenceState>,
-        limit: u32,
-    ) -> Result<Vec<Fence>, StoreError>;
+    async fn fences(&self, filter: &FenceFilter) -> Result<Vec<Fence>>;
     /// Records an effect on its attempt. **Applied.**
     async fn record_effect(&self, job_id: &str, record: EffectRecord) -> Result<(), StoreError>;
     /// The effects recorded for a job, in order. Committed state.
@@ -579,11 +536,7 @@ pub trait Store: Send + Sync + 'static {
     /// (`None` after the counters, the last record). Committed state; each
     /// page is read in one snapshot, and the pages are consistent with one
     /// another only while nothing writes to the ledger.
-    async fn export(
-        &self,
-        cursor: Option<copy::Cursor>,
-        limit: u32,
-    ) -> Result<copy::ExportPage, StoreError> {
+    async fn export(&self, cursor: Option<copy::Cursor>, limit: u32) -> Result<copy::ExportPage> {
         let _ = (cursor, limit);
         Err(copy::unsupported("export"))
     }

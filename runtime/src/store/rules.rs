@@ -234,6 +234,8 @@ pub trait FenceRow {
     fn fingerprint(&self) -> &[u8];
     /// The attempt that wrote it last: its job and lease token.
     fn holder(&self) -> (&str, u64);
+    /// That attempt's number.
+    fn holder_attempt(&self) -> u32;
     fn into_fence(self) -> Fence;
 }
 
@@ -246,6 +248,9 @@ impl FenceRow for Fence {
     }
     fn holder(&self) -> (&str, u64) {
         (&self.job_id, self.token)
+    }
+    fn holder_attempt(&self) -> u32 {
+        self.attempt
     }
     fn into_fence(self) -> Fence {
         self
@@ -261,6 +266,9 @@ impl FenceRow for super::copy::FenceRecord {
     }
     fn holder(&self) -> (&str, u64) {
         (&self.job_id, self.token)
+    }
+    fn holder_attempt(&self) -> u32 {
+        self.attempt
     }
     fn into_fence(self) -> Fence {
         Fence {
@@ -287,6 +295,7 @@ pub fn holder_lease(f: &impl FenceRow) -> LeaseRef {
     let (job_id, token) = f.holder();
     LeaseRef {
         job_id: job_id.to_owned(),
+        attempt: f.holder_attempt(),
         token,
     }
 }
@@ -396,6 +405,7 @@ mod tests {
     fn lease(job: &str, token: u64) -> LeaseRef {
         LeaseRef {
             job_id: job.to_owned(),
+            attempt: 1,
             token,
         }
     }

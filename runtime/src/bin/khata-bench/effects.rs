@@ -201,7 +201,13 @@ async fn fenced_cost(
     }
     let mut leases = Vec::with_capacity(total);
     while leases.len() < total {
-        let got = store.lease("charge", 1_000, "bench", Millis::now()).await?;
+        let ask = LeaseAsk {
+            queue: "charge",
+            max: 1_000,
+            plugin_version: "bench",
+            limits: LeaseLimits::default(),
+        };
+        let got = store.lease(&ask, Millis::now()).await?.leases;
         ensure!(!got.is_empty(), "leased {} of {total} jobs", leases.len());
         leases.extend(got);
     }
@@ -227,12 +233,7 @@ async fn fenced_cost(
             response.status
         );
 
-        let effects = Effects::new(
-            Arc::clone(&store),
-            Arc::clone(&scope),
-            lease.fence(),
-            lease.attempt,
-        );
+        let effects = Effects::new(Arc::clone(&store), Arc::clone(&scope), lease.fence());
         let sent = Instant::now();
         let (response, replayed) = effects
             .http_send(&format!("fenced-{i}"), "payments", request(i))

@@ -86,8 +86,8 @@ use khata::effects::http::{HttpRequest, Providers};
 use khata::effects::{Effects, Scope};
 use khata::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome, Safeguards};
 use khata::job::{LeaseRef, Millis, NewJob};
-use khata::store::Store;
 use khata::store::sqlite::SqliteStore;
+use khata::store::{LeaseAsk, LeaseLimits, Store};
 
 mod computing;
 mod effects;
@@ -986,9 +986,10 @@ impl InvocationBed {
         let job_id = format!("job-{i}");
         let lease = LeaseRef {
             job_id: job_id.clone(),
+            attempt: 1,
             token: 1,
         };
-        let effects = Effects::new(Arc::clone(&self.store), Arc::clone(&self.scope), lease, 1);
+        let effects = Effects::new(Arc::clone(&self.store), Arc::clone(&self.scope), lease);
         let input = JobInput {
             id: job_id,
             queue: "echo".into(),

@@ -27,7 +27,7 @@ pub(super) async fn page_rows<C: GenericClient>(
 }
 
 pub(super) fn bad_row(what: String) -> Fail {
-    Fail::Store(unavailable(format!("cannot export {what}")))
+    Fail::Store(copy::unreadable(what))
 }
 
 /// One page of the export (the caller's transaction is one snapshot).
@@ -37,7 +37,7 @@ pub(super) async fn export_page<C: GenericClient>(
     limit: u32,
 ) -> Result<copy::ExportPage, Fail> {
     use copy::{Record, Section};
-    let (records, last): (Vec<Record>, Vec<String>) = match cursor.section {
+    let records: Vec<Record> = match cursor.section {
         Section::Jobs => {
             let found = page_rows(
                 c,
@@ -130,8 +130,7 @@ pub(super) async fn export_page<C: GenericClient>(
                 }
             }
             by_id.clear();
-            let last = ids.last().map(|id| vec![id.clone()]).unwrap_or_default();
-            (jobs.into_iter().map(Record::Job).collect(), last)
+            jobs.into_iter().map(Record::Job).collect()
         }
         Section::Dedup => {
             let found = page_rows(
@@ -153,11 +152,7 @@ pub(super) async fn export_page<C: GenericClient>(
                     })
                 })
                 .collect::<Result<Vec<_>, Fail>>()?;
-            let last = out
-                .last()
-                .map(|d| vec![d.queue.clone(), d.key.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Dedup).collect(), last)
+            out.into_iter().map(Record::Dedup).collect()
         }
         Section::Fences => {
             let found = page_rows(
@@ -171,32 +166,9 @@ pub(super) async fn export_page<C: GenericClient>(
             let mut out = Vec::with_capacity(found.len());
             for r in &found {
                 let state: String = r.try_get(3)?;
-                let f = fence_from_row(r)?;
-                let state = FenceState::parse(&state).ok_or_else(|| {
-                    bad_row(format!(
-                        "fence {}/{}/{}: unknown state {state:?}",
-                        f.id.namespace, f.id.kind, f.id.key
-                    ))
-                })?;
-                out.push(copy::FenceRecord {
-                    namespace: f.id.namespace,
-                    kind: f.id.kind,
-                    key: f.id.key,
-                    state,
-                    fingerprint: f.fingerprint,
-                    job_id: f.job_id,
-                    attempt: f.attempt,
-                    token: f.token,
-                    result: f.result,
-                    created_at: f.created_at,
-                    updated_at: f.updated_at,
-                });
+                out.push(copy::FenceRecord::exported(fence_from_row(r)?, &state)?);
             }
-            let last = out
-                .last()
-                .map(|f| vec![f.namespace.clone(), f.kind.clone(), f.key.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Fence).collect(), last)
+            out.into_iter().map(Record::Fence).collect()
         }
         Section::Kv => {
             let found = page_rows(
@@ -218,11 +190,7 @@ pub(super) async fn export_page<C: GenericClient>(
                     })
                 })
                 .collect::<Result<Vec<_>, Fail>>()?;
-            let last = out
-                .last()
-                .map(|k| vec![k.namespace.clone(), k.key.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Kv).collect(), last)
+            out.into_iter().map(Record::Kv).collect()
         }
         Section::Index => {
             let found = page_rows(
@@ -245,11 +213,7 @@ pub(super) async fn export_page<C: GenericClient>(
                     })
                 })
                 .collect::<Result<Vec<_>, Fail>>()?;
-            let last = out
-                .last()
-                .map(|i| vec![i.collection.clone(), i.id.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Index).collect(), last)
+            out.into_iter().map(Record::Index).collect()
         }
         Section::Counters => {
             // The sequences' last values (NULL before their first use), and
@@ -275,8 +239,7 @@ pub(super) async fn export_page<C: GenericClient>(
             });
         }
     };
-    let next = copy::Cursor::after_page(cursor.section, records.len(), limit, last);
-    Ok(copy::ExportPage { records, next })
+    Ok(copy::ExportPage::of(cursor, limit, records))
 }
 
 /// Writes one page of imported records in the caller's transaction, then

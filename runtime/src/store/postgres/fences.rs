@@ -51,7 +51,6 @@ pub(super) fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> Fail {
 pub(super) async fn fence_begin_step<C: GenericClient>(
     c: &C,
     lease: &LeaseRef,
-    attempt: u32,
     id: &FenceId,
     fingerprint: &[u8],
     now: Millis,
@@ -68,7 +67,7 @@ pub(super) async fn fence_begin_step<C: GenericClient>(
             &id.key,
             &fingerprint,
             &lease.job_id,
-            &i32_of(attempt),
+            &i32_of(lease.attempt),
             &i64_of(lease.token),
             &now.0,
         ],
@@ -123,7 +122,6 @@ pub(super) async fn set_fence<C: GenericClient>(
     id: &FenceId,
     state: FenceState,
     lease: &LeaseRef,
-    attempt: u32,
     result: Option<&[u8]>,
     now: Millis,
 ) -> Result<(), Fail> {
@@ -138,7 +136,7 @@ pub(super) async fn set_fence<C: GenericClient>(
             &id.key,
             &state.as_str(),
             &lease.job_id,
-            &i32_of(attempt),
+            &i32_of(lease.attempt),
             &i64_of(lease.token),
             &result,
             &now.0,

@@ -202,7 +202,7 @@ pub(super) async fn lease_step<C: GenericClient>(
 ///
 /// No wake-up is lost, and an attempt's end never waits for a limited
 /// lease's lock: a lease held back records its wait, commits, and only then
-/// counts again (`lease_within`). Either this statement ran after that
+/// counts again (`Store::lease`). Either this statement ran after that
 /// wait's commit, and sees it, or it ran before, hence after the attempts'
 /// end committed, and that second count no longer holds them.
 pub(super) async fn wake_waiting(

@@ -155,7 +155,7 @@
 //!   [`Store::wakeups`] LISTENs on a connection of its own, reconnecting
 //!   when it drops, and yields `*` (every queue) after each (re)connection,
 //!   since notifications sent meanwhile are lost.
-//! - [`Store::lease_within`] keeps a queue's `concurrency` and `rate_limit`
+//! - [`Store::lease`] keeps a queue's `concurrency` and `rate_limit`
 //!   across daemons: under a per-queue transaction advisory lock it counts
 //!   the queue's unexpired leases and its starts in the window
 //!   (`queue_starts`, at the database's time `attempts.leased_at`) and
@@ -225,7 +225,7 @@ const MAX_RERUNS: u32 = 20;
 /// The lease of a store opened without [`PostgresStore::with_lease`].
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Limited leases of one call at most: the first, and those run again
-/// because a count after its wait's commit found room (`lease_within`).
+/// because a count after its wait's commit found room (`Store::lease`).
 const RECOUNTS: u32 = 4;
 /// Expired leases reclaimed in one pass at most.
 const RECLAIM_BATCH: u32 = 500;

@@ -3,6 +3,7 @@
 //! finisher groups.
 
 use super::*;
+use crate::store::{DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result};
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -22,27 +23,14 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn lease(
-        &self,
-        queue: &str,
-        max: u32,
-        plugin_version: &str,
-        now: Millis,
-    ) -> Result<Vec<Lease>, StoreError> {
-        let leased = self
-            .lease_within(queue, max, plugin_version, now, &LeaseLimits::default())
-            .await?;
-        Ok(leased.leases)
-    }
-
-    async fn lease_within(
-        &self,
-        queue: &str,
-        max: u32,
-        plugin_version: &str,
-        now: Millis,
-        limits: &LeaseLimits,
-    ) -> Result<Leased, StoreError> {
+    async fn lease(&self, ask: &LeaseAsk<'_>, now: Millis) -> Result<Leased> {
+        let LeaseAsk {
+            queue,
+            max,
+            plugin_version,
+            limits,
+        } = *ask;
+        let limits = &limits;
         let owner = (self.daemon_id.as_str(), self.lease_ms());
         let mut tries = 0;
         loop {
@@ -106,12 +94,7 @@ impl Store for PostgresStore {
     /// the module's notes). Durable when it returns `Ok` or `Fenced`: the
     /// COMMIT of the transaction holding it returned. `Unavailable`: it
     /// may or may not have committed.
-    async fn finish(
-        &self,
-        lease: &LeaseRef,
-        finish: Finish,
-        now: Millis,
-    ) -> Result<JobState, StoreError> {
+    async fn finish(&self, lease: &LeaseRef, finish: Finish, now: Millis) -> Result<JobState> {
         // A fenced finish still records how its attempt ended: that part
         // commits, then the fence is reported.
         let (answer, answered) = tokio::sync::oneshot::channel();
@@ -364,22 +347,12 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn sweep(
-        &self,
-        now: Millis,
-        rules: &RetentionRules,
-        limit: u32,
-    ) -> Result<Swept, StoreError> {
+    async fn sweep(&self, now: Millis, rules: &RetentionRules, limit: u32) -> Result<Swept> {
         step!(self, Mode::Write, |tx| sweep_step(&tx, now, rules, limit)
             .await)
     }
 
-    async fn kv_get(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
+    async fn kv_get(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<Option<Vec<u8>>> {
         self.leased_read(
             lease,
             "SELECT value FROM kv WHERE namespace = $2 AND key = $3",
@@ -389,45 +362,21 @@ impl Store for PostgresStore {
         .await
     }
 
-    async fn kv_put(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<(), StoreError> {
-        step!(self, Mode::Write, |tx| {
-            check_lease(&tx, lease, true).await?;
-            exec(
-                &tx,
+    async fn kv_put(&self, lease: &LeaseRef, put: KvPut, now: Millis) -> Result<bool> {
+        let sql = match put.mode {
+            PutMode::Replace => {
                 "INSERT INTO kv (namespace, key, value, written_at) VALUES ($1, $2, $3, $4) \
                  ON CONFLICT (namespace, key) DO UPDATE \
-                 SET value = EXCLUDED.value, written_at = EXCLUDED.written_at",
-                &[&ns, &key, &value, &now.0],
-            )
-            .await?;
-            Ok(())
-        })
-    }
-
-    async fn kv_insert_if_absent(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
+                 SET value = EXCLUDED.value, written_at = EXCLUDED.written_at"
+            }
+            PutMode::IfAbsent => {
+                "INSERT INTO kv (namespace, key, value, written_at) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (namespace, key) DO NOTHING"
+            }
+        };
         step!(self, Mode::Write, |tx| {
             check_lease(&tx, lease, true).await?;
-            let n = exec(
-                &tx,
-                "INSERT INTO kv (namespace, key, value, written_at) VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (namespace, key) DO NOTHING",
-                &[&ns, &key, &value, &now.0],
-            )
-            .await?;
+            let n = exec(&tx, sql, &[&put.ns, &put.key, &put.value, &now.0]).await?;
             Ok(n == 1)
         })
     }
@@ -474,12 +423,8 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn index_get_leased(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<String>, StoreError> {
+    async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>> {
+        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
         // A tombstone's document is NULL, as is a missing one's.
         self.leased_read(
             lease,
@@ -490,11 +435,8 @@ impl Store for PostgresStore {
         .await
     }
 
-    async fn index_get(
-        &self,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<(String, u64)>, StoreError> {
+    async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>> {
+        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
         let client = self.client().await?;
         let found = index_read(&client, collection, id, false)
             .await
@@ -505,7 +447,6 @@ impl Store for PostgresStore {
     async fn fence_begin(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         fingerprint: &[u8],
         now: Millis,
@@ -513,7 +454,6 @@ impl Store for PostgresStore {
         step!(self, Mode::Write, |tx| fence_begin_step(
             &tx,
             lease,
-            attempt,
             id,
             fingerprint,
             now
@@ -521,40 +461,24 @@ impl Store for PostgresStore {
         .await)
     }
 
-    async fn fence_take_over(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_take_over(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()> {
         step!(self, Mode::Write, |tx| {
             check_lease(&tx, lease, true).await?;
             owned_or_abandoned(&tx, lease, id).await?;
-            set_fence(&tx, id, FenceState::Started, lease, attempt, None, now).await
+            set_fence(&tx, id, FenceState::Started, lease, None, now).await
         })
     }
 
     async fn fence_done(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         result: Vec<u8>,
         now: Millis,
     ) -> Result<(), StoreError> {
         step!(self, Mode::Write, |tx| {
             held_by(&tx, lease, id).await?;
-            set_fence(
-                &tx,
-                id,
-                FenceState::Done,
-                lease,
-                attempt,
-                Some(&result),
-                now,
-            )
-            .await
+            set_fence(&tx, id, FenceState::Done, lease, Some(&result), now).await
         })
     }
 
@@ -565,37 +489,23 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn fence_uncertain(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_uncertain(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()> {
         step!(self, Mode::Write, |tx| {
             owned_or_abandoned(&tx, lease, id).await?;
-            set_fence(&tx, id, FenceState::Uncertain, lease, attempt, None, now).await
+            set_fence(&tx, id, FenceState::Uncertain, lease, None, now).await
         })
     }
 
-    async fn fence_resolve(
-        &self,
-        id: &FenceId,
-        resolution: Resolution,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()> {
+        let resolution = to;
         step!(self, Mode::Write, |tx| fence_resolve_step(
             &tx, id, resolution, now
         )
         .await)
     }
 
-    async fn fences(
-        &self,
-        namespace: Option<&str>,
-        state: Option<FenceState>,
-        limit: u32,
-    ) -> Result<Vec<Fence>, StoreError> {
+    async fn fences(&self, filter: &FenceFilter) -> Result<Vec<Fence>> {
+        let (namespace, state, limit) = (filter.namespace.as_deref(), filter.state, filter.limit);
         let sql = format!(
             "SELECT {FENCE_COLUMNS} FROM fences WHERE ($1::text IS NULL OR namespace = $1) \
              AND ($2::text IS NULL OR state = $2) ORDER BY updated_at DESC LIMIT $3"
@@ -664,11 +574,7 @@ impl Store for PostgresStore {
             .map_err(StoreError::from)
     }
 
-    async fn export(
-        &self,
-        cursor: Option<copy::Cursor>,
-        limit: u32,
-    ) -> Result<copy::ExportPage, StoreError> {
+    async fn export(&self, cursor: Option<copy::Cursor>, limit: u32) -> Result<copy::ExportPage> {
         let (cursor, limit) = copy::page_request(cursor, limit);
         step!(self, Mode::Read, |tx| export_page(&tx, &cursor, limit)
             .await)

@@ -1,3 +1,6 @@
+use crate::store::PutMode;
+use crate::store::conformance::{LeaseUpTo, put};
+use crate::store::{LeaseAsk, LeaseLimits};
 use std::sync::Arc;
 
 use super::testing::TestDatabase;
@@ -96,9 +99,11 @@ async fn an_expired_lease_is_fenced_and_reclaimed_by_another_daemon() {
     assert_ne!(a.daemon_id(), b.daemon_id());
     let t0 = Millis(1_700_000_000_000);
     a.enqueue(vec![new_job("j", t0, 3)], t0).await.unwrap();
-    let l = a.lease("q", 1, "v1", t0).await.unwrap().remove(0);
+    let l = a.lease_up_to("q", 1, "v1", t0).await.unwrap().remove(0);
     let f = l.fence();
-    a.kv_put(&f, "ns", "k", b"1".to_vec(), t0).await.unwrap();
+    a.kv_put(&f, put("ns", "k", b"1".to_vec(), PutMode::Replace), t0)
+        .await
+        .unwrap();
     // A live lease is not reclaimed, neither at start nor periodically.
     assert_eq!(b.recover(t0).await.unwrap(), 0);
     assert_eq!(b.reclaim_expired(t0).await.unwrap(), 0);
@@ -108,7 +113,11 @@ async fn an_expired_lease_is_fenced_and_reclaimed_by_another_daemon() {
     let fenced = |r: Result<(), StoreError>| {
         assert!(matches!(r, Err(StoreError::Fenced { .. })), "{r:?}");
     };
-    fenced(a.kv_put(&f, "ns", "k", b"2".to_vec(), t0).await);
+    fenced(
+        a.kv_put(&f, put("ns", "k", b"2".to_vec(), PutMode::Replace), t0)
+            .await
+            .map(drop),
+    );
     fenced(a.kv_get(&f, "ns", "k").await.map(|_| ()));
     fenced(a.index_upsert(&f, "c", "d", "{}", 1, t0).await.map(|_| ()));
     let fid = crate::store::FenceId {
@@ -116,7 +125,7 @@ async fn an_expired_lease_is_fenced_and_reclaimed_by_another_daemon() {
         kind: "http".into(),
         key: "charge-1".into(),
     };
-    fenced(a.fence_begin(&f, 1, &fid, b"fp", t0).await.map(|_| ()));
+    fenced(a.fence_begin(&f, &fid, b"fp", t0).await.map(|_| ()));
     // Expired is lost, even before anyone reclaimed it.
     assert_eq!(a.heartbeat().await.unwrap(), vec![f.clone()]);
 
@@ -126,7 +135,7 @@ async fn an_expired_lease_is_fenced_and_reclaimed_by_another_daemon() {
     assert_eq!(j.attempts[0].outcome, crate::job::AttemptOutcome::Abandoned);
     assert_eq!(j.budget_used, 1, "the abandoned attempt counts");
 
-    let l2 = b.lease("q", 1, "v1", t0).await.unwrap().remove(0);
+    let l2 = b.lease_up_to("q", 1, "v1", t0).await.unwrap().remove(0);
     assert!(l2.token > l.token, "a newer token");
     let done = a
         .finish(&f, Finish::Completed { result: "1".into() }, t0)
@@ -177,7 +186,7 @@ async fn two_daemons_limited_to_two(
     (db, a, b, t0, two)
 }
 
-/// `lease_within` counts every daemon's leases. `concurrency = 2`: two
+/// A lease within limits counts every daemon's leases. `concurrency = 2`: two
 /// daemons lease two jobs in all, a lease held back says so, and the
 /// next end of an attempt of the queue wakes the waiting daemons; an
 /// expired lease no longer counts. `rate_limit = 2 per minute`: the
@@ -186,14 +195,14 @@ async fn two_daemons_limited_to_two(
 async fn lease_within_counts_every_daemons_leases() {
     use crate::store::{Held, LeaseLimits, RateWindow};
     let (db, a, b, t0, two) = two_daemons_limited_to_two(6).await;
-    let first = a.lease_within("q", 1, "v1", t0, &two).await.unwrap();
+    let first = a.lease(&ask("q", 1, two), t0).await.unwrap();
     assert_eq!((first.leases.len(), first.held), (1, None));
-    let second = b.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+    let second = b.lease(&ask("q", 5, two), t0).await.unwrap();
     assert_eq!(
         (second.leases.len(), second.held),
         (1, Some(Held::Concurrency))
     );
-    let none = a.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+    let none = a.lease(&ask("q", 5, two), t0).await.unwrap();
     assert_eq!((none.leases.len(), none.held), (0, Some(Held::Concurrency)));
     let mut wake = b.wakeups().expect("postgres has wake-ups");
     assert_eq!(wake.recv().await.as_deref(), Some("*"));
@@ -204,10 +213,10 @@ async fn lease_within_counts_every_daemons_leases() {
         Some("q"),
         "the end of an attempt wakes the daemons that wait for room"
     );
-    let third = b.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+    let third = b.lease(&ask("q", 5, two), t0).await.unwrap();
     assert_eq!(third.leases.len(), 1);
     expire_leases(&db).await;
-    let after = a.lease_within("q", 5, "v1", t0, &two).await.unwrap();
+    let after = a.lease(&ask("q", 5, two), t0).await.unwrap();
     assert_eq!(after.leases.len(), 2, "expired leases do not count");
 
     let per = std::time::Duration::from_secs(60);
@@ -222,11 +231,11 @@ async fn lease_within_counts_every_daemons_leases() {
         })
         .collect();
     a.enqueue(limited, t0).await.unwrap();
-    let x = a.lease_within("r", 1, "v1", t0, &rate).await.unwrap();
+    let x = a.lease(&ask("r", 1, rate), t0).await.unwrap();
     assert_eq!((x.leases.len(), x.held), (1, None));
-    let y = b.lease_within("r", 5, "v1", t0, &rate).await.unwrap();
+    let y = b.lease(&ask("r", 5, rate), t0).await.unwrap();
     assert_eq!(y.leases.len(), 1);
-    let z = a.lease_within("r", 5, "v1", t0, &rate).await.unwrap();
+    let z = a.lease(&ask("r", 5, rate), t0).await.unwrap();
     assert!(z.leases.is_empty());
     match z.held {
         Some(Held::Rate(wait)) => assert!(wait > std::time::Duration::ZERO && wait <= per),
@@ -242,24 +251,24 @@ async fn lease_within_counts_every_daemons_leases() {
 async fn an_ending_attempt_leaves_room_in_its_own_daemon_first() {
     use crate::store::Held;
     let (db, a, b, t0, two) = two_daemons_limited_to_two(4).await;
-    let first = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+    let first = a.lease(&ask("q", 2, two), t0).await.unwrap();
     assert_eq!(first.leases.len(), 2);
     // The first attempt's handler ended; its finish is not committed.
     let ended = &first.leases[0];
     a.ending.lock().unwrap().insert(super::i64_of(ended.token));
-    let own = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+    let own = a.lease(&ask("q", 2, two), t0).await.unwrap();
     assert_eq!(
         (own.leases.len(), own.held),
         (1, Some(Held::Concurrency)),
         "its own daemon does not count it"
     );
-    let held = b.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+    let held = b.lease(&ask("q", 2, two), t0).await.unwrap();
     assert_eq!(
         (held.leases.len(), held.held),
         (0, Some(Held::Concurrency)),
         "another daemon counts it until its finish commits"
     );
-    let fair = a.lease_within("q", 2, "v1", t0, &two).await.unwrap();
+    let fair = a.lease(&ask("q", 2, two), t0).await.unwrap();
     assert_eq!(
         (fair.leases.len(), fair.held),
         (0, Some(Held::Concurrency)),
@@ -298,7 +307,7 @@ async fn a_finish_after_expiry_is_refused_and_the_budget_holds() {
     let a = PostgresStore::open(&db.url, 2).await.expect("open");
     let t0 = Millis(1_700_000_000_000);
     a.enqueue(vec![new_job("j", t0, 1)], t0).await.unwrap();
-    let l = a.lease("q", 1, "v1", t0).await.unwrap().remove(0);
+    let l = a.lease_up_to("q", 1, "v1", t0).await.unwrap().remove(0);
     expire_leases(&db).await;
     let r = a
         .finish(&l.fence(), Finish::Completed { result: "1".into() }, t0)
@@ -358,7 +367,7 @@ async fn concurrent_leases_take_each_job_once() {
             tokio::spawn(async move {
                 let mut mine = Vec::new();
                 loop {
-                    let leases = s.lease("q", 5, "v1", t0).await.unwrap();
+                    let leases = s.lease_up_to("q", 5, "v1", t0).await.unwrap();
                     if leases.is_empty() {
                         return mine;
                     }
@@ -490,7 +499,7 @@ async fn a_group_of_finishes_commits_each_by_its_own_rules() {
     jobs[2].dedup_key = Some("k".into());
     jobs[2].max_attempts = 1;
     s.enqueue(jobs, t0).await.unwrap();
-    let leases = s.lease("q", 10, "v1", t0).await.unwrap();
+    let leases = s.lease_up_to("q", 10, "v1", t0).await.unwrap();
     assert_eq!(leases.len(), 6);
     let lease = |id: &str| leases.iter().find(|l| l.job_id == id).unwrap().fence();
     s.cancel("gone", t0).await.unwrap();
@@ -547,6 +556,7 @@ async fn a_group_of_finishes_commits_each_by_its_own_rules() {
             (
                 crate::job::LeaseRef {
                     job_id: "nowhere".into(),
+                    attempt: 1,
                     token: 1,
                 },
                 Finish::Completed { result: "r".into() },
@@ -649,7 +659,7 @@ async fn a_refused_finish_fails_alone() {
     )
     .await
     .unwrap();
-    let leases = s.lease("q", 3, "v1", t0).await.unwrap();
+    let leases = s.lease_up_to("q", 3, "v1", t0).await.unwrap();
     let reqs = leases
         .iter()
         .map(|l| {
@@ -690,7 +700,7 @@ async fn concurrent_finishes_each_get_their_answer() {
     let t0 = Millis(1_700_000_000_000);
     let jobs: Vec<NewJob> = (0..300).map(|i| new_job(&format!("j{i}"), t0, 3)).collect();
     s.enqueue(jobs, t0).await.unwrap();
-    let leases = s.lease("q", 300, "v1", t0).await.unwrap();
+    let leases = s.lease_up_to("q", 300, "v1", t0).await.unwrap();
     assert_eq!(leases.len(), 300);
     for i in (0..300).step_by(7) {
         s.cancel(&format!("j{i}"), t0).await.unwrap();
@@ -787,4 +797,14 @@ async fn a_bad_url_does_not_echo_the_password() {
         .await
         .unwrap_err();
     assert!(!err.to_string().contains("s3cret"), "{err}");
+}
+
+/// A lease of up to `max` jobs of `queue` within `limits`.
+fn ask(queue: &str, max: u32, limits: LeaseLimits) -> LeaseAsk<'_> {
+    LeaseAsk {
+        queue,
+        max,
+        plugin_version: "v1",
+        limits,
+    }
 }

@@ -19,7 +19,6 @@ pub(super) fn holder_alive(tx: &Tx, f: &FenceRec) -> Result<bool, StoreError> {
 pub(super) fn fence_begin_step(
     tx: &mut Tx,
     lease: &LeaseRef,
-    attempt: u32,
     id: &FenceId,
     fingerprint: &[u8],
     now: Millis,
@@ -33,7 +32,7 @@ pub(super) fn fence_begin_step(
             state: FenceState::Started,
             fingerprint: fingerprint.to_vec(),
             job_id: lease.job_id.clone(),
-            attempt,
+            attempt: lease.attempt,
             token: lease.token,
             result: None,
             created_at: now,
@@ -77,14 +76,13 @@ pub(super) fn set_fence(
     old: &FenceRec,
     state: FenceState,
     lease: &LeaseRef,
-    attempt: u32,
     result: Option<Vec<u8>>,
     now: Millis,
 ) {
     let mut new = old.clone();
     new.state = state;
     new.job_id = lease.job_id.clone();
-    new.attempt = attempt;
+    new.attempt = lease.attempt;
     new.token = lease.token;
     if result.is_some() {
         new.result = result;

@@ -118,6 +118,7 @@ pub(super) fn recover_step(tx: &mut Tx, now: Millis) -> Result<u64, StoreError> 
         let job = tx.require_job(id)?;
         let lease = LeaseRef {
             job_id: id.clone(),
+            attempt: job.attempt,
             token: job.lease_token.unwrap_or(0),
         };
         close_attempt(tx, &lease, AttemptOutcome::Abandoned, Some(error), now)?;

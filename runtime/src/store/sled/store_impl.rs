@@ -2,6 +2,7 @@
 //! writer, reads through a consistent view of the trees.
 
 use super::*;
+use crate::store::{DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result};
 
 pub(super) fn ids_from(
     values: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
@@ -28,16 +29,14 @@ impl Store for SledStore {
         .await
     }
 
-    async fn lease(
-        &self,
-        queue: &str,
-        max: u32,
-        plugin_version: &str,
-        now: Millis,
-    ) -> Result<Vec<Lease>, StoreError> {
-        let (queue, version) = (queue.to_owned(), plugin_version.to_owned());
-        self.write(false, move |tx| lease_batch(tx, &queue, max, &version, now))
-            .await
+    async fn lease(&self, ask: &LeaseAsk<'_>, now: Millis) -> Result<Leased> {
+        // One daemon owns this ledger: its own slots and rate limiter keep
+        // `ask.limits`, and `max` is the only bound here.
+        let (queue, max, version) = (ask.queue.to_owned(), ask.max, ask.plugin_version.to_owned());
+        let leases = self
+            .write(false, move |tx| lease_batch(tx, &queue, max, &version, now))
+            .await?;
+        Ok(Leased { leases, held: None })
     }
 
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
@@ -55,12 +54,7 @@ impl Store for SledStore {
         .await
     }
 
-    async fn finish(
-        &self,
-        lease: &LeaseRef,
-        finish: Finish,
-        now: Millis,
-    ) -> Result<JobState, StoreError> {
+    async fn finish(&self, lease: &LeaseRef, finish: Finish, now: Millis) -> Result<JobState> {
         let lease = lease.clone();
         // A fenced finish still records how its attempt ended: apply that
         // part, then report the fence.
@@ -183,23 +177,13 @@ impl Store for SledStore {
         .await
     }
 
-    async fn sweep(
-        &self,
-        now: Millis,
-        rules: &RetentionRules,
-        limit: u32,
-    ) -> Result<Swept, StoreError> {
+    async fn sweep(&self, now: Millis, rules: &RetentionRules, limit: u32) -> Result<Swept> {
         let rules = rules.clone();
         self.write(true, move |tx| sweep_step(tx, now, &rules, limit))
             .await
     }
 
-    async fn kv_get(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
+    async fn kv_get(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<Option<Vec<u8>>> {
         let (lease, k) = (lease.clone(), strs(&[ns, key]));
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
@@ -211,39 +195,15 @@ impl Store for SledStore {
         .await
     }
 
-    async fn kv_put(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<(), StoreError> {
-        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
+    async fn kv_put(&self, lease: &LeaseRef, put: KvPut, now: Millis) -> Result<bool> {
+        let lease = lease.clone();
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            let old = tx.kv(&ns, &key)?.map(|(at, _)| at);
-            tx.put_kv(&ns, &key, old, Some((now, &value)));
-            Ok(())
-        })
-        .await
-    }
-
-    async fn kv_insert_if_absent(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
-        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
-        self.write(false, move |tx| {
-            check_lease(tx, &lease)?;
-            if tx.get(KV, &strs(&[&ns, &key]))?.is_some() {
+            let old = tx.kv(&put.ns, &put.key)?.map(|(at, _)| at);
+            if old.is_some() && put.mode == PutMode::IfAbsent {
                 return Ok(false);
             }
-            tx.put_kv(&ns, &key, None, Some((now, &value)));
+            tx.put_kv(&put.ns, &put.key, old, Some((now, &put.value)));
             Ok(true)
         })
         .await
@@ -328,12 +288,8 @@ impl Store for SledStore {
         .await
     }
 
-    async fn index_get_leased(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<String>, StoreError> {
+    async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>> {
+        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
         let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
@@ -342,11 +298,8 @@ impl Store for SledStore {
         .await
     }
 
-    async fn index_get(
-        &self,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<(String, u64)>, StoreError> {
+    async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>> {
+        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
         let key = strs(&[collection, id]);
         self.read(move |t| {
             let d: Option<DocRec> = t.get_rec(INDEX, &key)?;
@@ -358,30 +311,23 @@ impl Store for SledStore {
     async fn fence_begin(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         fingerprint: &[u8],
         now: Millis,
     ) -> Result<FenceBegin, StoreError> {
         let (lease, id, fingerprint) = (lease.clone(), id.clone(), fingerprint.to_vec());
         self.write(true, move |tx| {
-            fence_begin_step(tx, &lease, attempt, &id, &fingerprint, now)
+            fence_begin_step(tx, &lease, &id, &fingerprint, now)
         })
         .await
     }
 
-    async fn fence_take_over(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_take_over(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()> {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |tx| {
             check_lease(tx, &lease)?;
             let f = owned_or_abandoned(tx, &lease, &id)?;
-            set_fence(tx, &f, FenceState::Started, &lease, attempt, None, now);
+            set_fence(tx, &f, FenceState::Started, &lease, None, now);
             Ok(())
         })
         .await
@@ -390,7 +336,6 @@ impl Store for SledStore {
     async fn fence_done(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         result: Vec<u8>,
         now: Millis,
@@ -398,7 +343,7 @@ impl Store for SledStore {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |tx| {
             let f = held_by(tx, &lease, &id)?;
-            set_fence(tx, &f, FenceState::Done, &lease, attempt, Some(result), now);
+            set_fence(tx, &f, FenceState::Done, &lease, Some(result), now);
             Ok(())
         })
         .await
@@ -414,39 +359,25 @@ impl Store for SledStore {
         .await
     }
 
-    async fn fence_uncertain(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_uncertain(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()> {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |tx| {
             let f = owned_or_abandoned(tx, &lease, &id)?;
-            set_fence(tx, &f, FenceState::Uncertain, &lease, attempt, None, now);
+            set_fence(tx, &f, FenceState::Uncertain, &lease, None, now);
             Ok(())
         })
         .await
     }
 
-    async fn fence_resolve(
-        &self,
-        id: &FenceId,
-        resolution: Resolution,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()> {
+        let resolution = to;
         let id = id.clone();
         self.write(true, move |tx| fence_resolve_step(tx, &id, resolution, now))
             .await
     }
 
-    async fn fences(
-        &self,
-        namespace: Option<&str>,
-        state: Option<FenceState>,
-        limit: u32,
-    ) -> Result<Vec<Fence>, StoreError> {
+    async fn fences(&self, filter: &FenceFilter) -> Result<Vec<Fence>> {
+        let (namespace, state, limit) = (filter.namespace.as_deref(), filter.state, filter.limit);
         let namespace = namespace.map(str::to_owned);
         self.read(move |t| {
             let limit = limit.clamp(1, 1000) as usize;
@@ -503,11 +434,7 @@ impl Store for SledStore {
         self.read(move |t| t.effects(&job_id)).await
     }
 
-    async fn export(
-        &self,
-        cursor: Option<copy::Cursor>,
-        limit: u32,
-    ) -> Result<copy::ExportPage, StoreError> {
+    async fn export(&self, cursor: Option<copy::Cursor>, limit: u32) -> Result<copy::ExportPage> {
         let (cursor, limit) = copy::page_request(cursor, limit);
         self.read(move |t| export_page(t, &cursor, limit)).await
     }

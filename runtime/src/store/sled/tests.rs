@@ -1,3 +1,5 @@
+use crate::store::PutMode;
+use crate::store::conformance::{LeaseUpTo, put};
 use std::sync::Arc;
 
 use super::SledStore;
@@ -46,13 +48,13 @@ async fn a_reopened_ledger_keeps_jobs_fences_and_the_token_order() {
     let first_token = {
         let s = SledStore::open(dir.path()).expect("open");
         s.enqueue(vec![job("a"), job("b")], now).await.unwrap();
-        let l = s.lease("q", 1, "v1", now).await.unwrap().remove(0);
+        let l = s.lease_up_to("q", 1, "v1", now).await.unwrap().remove(0);
         let lease = l.fence();
         assert_eq!(
-            s.fence_begin(&lease, 1, &fence, b"fp", now).await.unwrap(),
+            s.fence_begin(&lease, &fence, b"fp", now).await.unwrap(),
             FenceBegin::Started
         );
-        s.fence_done(&lease, 1, &fence, b"paid".to_vec(), now)
+        s.fence_done(&lease, &fence, b"paid".to_vec(), now)
             .await
             .unwrap();
         s.finish(
@@ -65,17 +67,19 @@ async fn a_reopened_ledger_keeps_jobs_fences_and_the_token_order() {
         .await
         .unwrap();
         // Leased, never finished: the next start recovers it.
-        s.lease("q", 1, "v1", now).await.unwrap().remove(0).token
+        s.lease_up_to("q", 1, "v1", now)
+            .await
+            .unwrap()
+            .remove(0)
+            .token
     };
     let s = SledStore::open(dir.path()).expect("reopen");
     assert_eq!(s.recover(now).await.unwrap(), 1);
-    let l = s.lease("q", 1, "v1", now).await.unwrap().remove(0);
+    let l = s.lease_up_to("q", 1, "v1", now).await.unwrap().remove(0);
     assert_eq!(l.job_id, "b");
     assert!(l.token > first_token, "tokens only grow across a reopen");
     assert_eq!(
-        s.fence_begin(&l.fence(), 2, &fence, b"fp", now)
-            .await
-            .unwrap(),
+        s.fence_begin(&l.fence(), &fence, b"fp", now).await.unwrap(),
         FenceBegin::Replay(b"paid".to_vec())
     );
     let a = s.job("a", now).await.unwrap().unwrap();
@@ -137,8 +141,13 @@ async fn a_layout_1_ledger_is_migrated_when_it_opens() {
     {
         let s = SledStore::open(dir.path()).expect("open");
         s.enqueue(vec![job("a")], t0).await.unwrap();
-        let l = s.lease("q", 1, "v1", t0).await.unwrap().remove(0).fence();
-        s.kv_put(&l, "ns", "k", b"value".to_vec(), t0)
+        let l = s
+            .lease_up_to("q", 1, "v1", t0)
+            .await
+            .unwrap()
+            .remove(0)
+            .fence();
+        s.kv_put(&l, put("ns", "k", b"value".to_vec(), PutMode::Replace), t0)
             .await
             .unwrap();
         s.index_upsert(&l, "docs", "d", "{}", 1, t0).await.unwrap();
@@ -168,7 +177,12 @@ async fn a_layout_1_ledger_is_migrated_when_it_opens() {
     let s = SledStore::open(dir.path()).expect("reopen migrates");
     assert_eq!(s.trees.meta("layout").unwrap(), Some(LAYOUT_VERSION));
     s.enqueue(vec![job("b")], t0).await.unwrap();
-    let l = s.lease("q", 1, "v1", t0).await.unwrap().remove(0).fence();
+    let l = s
+        .lease_up_to("q", 1, "v1", t0)
+        .await
+        .unwrap()
+        .remove(0)
+        .fence();
     assert_eq!(
         s.kv_get(&l, "ns", "k").await.unwrap().as_deref(),
         Some(&b"value"[..]),

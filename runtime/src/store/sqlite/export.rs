@@ -20,7 +20,7 @@ pub(super) fn u64_col(r: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<u64> 
 }
 
 pub(super) fn bad_row(what: String) -> StoreError {
-    unavailable(format!("cannot export {what}"))
+    copy::unreadable(what)
 }
 
 /// One page of the export, read in one snapshot.
@@ -35,7 +35,7 @@ pub(super) fn export_page(
     let query = |select: &str, keys: &[&str]| {
         copy::page_sql(select, keys, &cursor.after, sqlite_placeholder)
     };
-    let (records, last): (Vec<Record>, Vec<String>) = match cursor.section {
+    let records: Vec<Record> = match cursor.section {
         Section::Jobs => {
             let sql = query(
                 "SELECT id, queue, state, payload, priority, run_at, seq, attempt, budget_used, \
@@ -124,8 +124,7 @@ pub(super) fn export_page(
                     .collect::<Result<_, _>>()?;
                 out.push(job);
             }
-            let last = out.last().map(|j| vec![j.id.clone()]).unwrap_or_default();
-            (out.into_iter().map(Record::Job).collect(), last)
+            out.into_iter().map(Record::Job).collect()
         }
         Section::Dedup => {
             let sql = query(
@@ -143,11 +142,7 @@ pub(super) fn export_page(
                     })
                 })?
                 .collect::<Result<_, _>>()?;
-            let last = out
-                .last()
-                .map(|d| vec![d.queue.clone(), d.key.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Dedup).collect(), last)
+            out.into_iter().map(Record::Dedup).collect()
         }
         Section::Fences => {
             let sql = query(
@@ -160,33 +155,9 @@ pub(super) fn export_page(
                     Ok((fence_from_row(r)?, r.get::<_, String>(3)?))
                 })?
                 .collect::<Result<_, _>>()?;
-            let mut records = Vec::with_capacity(out.len());
-            for (f, state) in out {
-                let state = FenceState::parse(&state).ok_or_else(|| {
-                    bad_row(format!(
-                        "fence {}/{}/{}: unknown state {state:?}",
-                        f.id.namespace, f.id.kind, f.id.key
-                    ))
-                })?;
-                records.push(copy::FenceRecord {
-                    namespace: f.id.namespace,
-                    kind: f.id.kind,
-                    key: f.id.key,
-                    state,
-                    fingerprint: f.fingerprint,
-                    job_id: f.job_id,
-                    attempt: f.attempt,
-                    token: f.token,
-                    result: f.result,
-                    created_at: f.created_at,
-                    updated_at: f.updated_at,
-                });
-            }
-            let last = records
-                .last()
-                .map(|f| vec![f.namespace.clone(), f.kind.clone(), f.key.clone()])
-                .unwrap_or_default();
-            (records.into_iter().map(Record::Fence).collect(), last)
+            out.into_iter()
+                .map(|(f, state)| copy::FenceRecord::exported(f, &state).map(Record::Fence))
+                .collect::<Result<_, _>>()?
         }
         Section::Kv => {
             let sql = query(
@@ -204,11 +175,7 @@ pub(super) fn export_page(
                     })
                 })?
                 .collect::<Result<_, _>>()?;
-            let last = out
-                .last()
-                .map(|k| vec![k.namespace.clone(), k.key.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Kv).collect(), last)
+            out.into_iter().map(Record::Kv).collect()
         }
         Section::Index => {
             let sql = query(
@@ -227,11 +194,7 @@ pub(super) fn export_page(
                     })
                 })?
                 .collect::<Result<_, _>>()?;
-            let last = out
-                .last()
-                .map(|i| vec![i.collection.clone(), i.id.clone()])
-                .unwrap_or_default();
-            (out.into_iter().map(Record::Index).collect(), last)
+            out.into_iter().map(Record::Index).collect()
         }
         Section::Counters => {
             let (token, seq): (i64, i64) = tx.query_row(
@@ -251,8 +214,7 @@ pub(super) fn export_page(
         }
     };
     drop(tx);
-    let next = copy::Cursor::after_page(cursor.section, records.len(), limit, last);
-    Ok(copy::ExportPage { records, next })
+    Ok(copy::ExportPage::of(cursor, limit, records))
 }
 
 /// Writes one page of imported records in the writer's step (the caller's

@@ -46,7 +46,6 @@ pub(super) fn token_param(t: u64) -> i64 {
 pub(super) fn fence_begin_step(
     conn: &Connection,
     lease: &LeaseRef,
-    attempt: u32,
     id: &FenceId,
     fingerprint: &[u8],
     now: Millis,
@@ -57,7 +56,7 @@ pub(super) fn fence_begin_step(
             "INSERT INTO fences (namespace, kind, key, state, fingerprint, job_id, attempt, token, created_at, updated_at) \
              VALUES (?1, ?2, ?3, 'started', ?4, ?5, ?6, ?7, ?8, ?8)",
         )?
-        .execute(params![id.namespace, id.kind, id.key, fingerprint, lease.job_id, attempt, token_param(lease.token), now.0])?;
+        .execute(params![id.namespace, id.kind, id.key, fingerprint, lease.job_id, lease.attempt, token_param(lease.token), now.0])?;
         return Ok(FenceBegin::Started);
     };
     Ok(match rules::fence_begin(f, lease, fingerprint) {
@@ -99,7 +98,6 @@ pub(super) fn set_fence(
     id: &FenceId,
     state: FenceState,
     lease: &LeaseRef,
-    attempt: u32,
     result: Option<&[u8]>,
     now: Millis,
 ) -> Result<(), StoreError> {
@@ -113,7 +111,7 @@ pub(super) fn set_fence(
         id.key,
         state.as_str(),
         lease.job_id,
-        attempt,
+        lease.attempt,
         token_param(lease.token),
         result,
         now.0

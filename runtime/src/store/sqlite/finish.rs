@@ -97,9 +97,9 @@ pub(super) fn finish_step(
 
 pub(super) fn recover_step(w: &mut Writer, now: Millis) -> Result<u64, StoreError> {
     let conn = &w.conn;
-    let active: Vec<(String, i64, u32, u32)> = conn
+    let active: Vec<(String, i64, u32, u32, u32)> = conn
         .prepare(
-            "SELECT id, lease_token, budget_used, max_attempts FROM jobs WHERE state = 'active'",
+            "SELECT id, lease_token, budget_used, max_attempts, attempt FROM jobs WHERE state = 'active'",
         )?
         .query_map([], |r| {
             Ok((
@@ -107,13 +107,15 @@ pub(super) fn recover_step(w: &mut Writer, now: Millis) -> Result<u64, StoreErro
                 r.get::<_, Option<i64>>(1)?.unwrap_or(0),
                 r.get(2)?,
                 r.get(3)?,
+                r.get(4)?,
             ))
         })?
         .collect::<Result<_, _>>()?;
     let error = rules::ABANDONED;
-    for (id, token, used, max) in &active {
+    for (id, token, used, max, attempt) in &active {
         let lease = LeaseRef {
             job_id: id.clone(),
+            attempt: *attempt,
             token: u64::try_from(*token).unwrap_or(0),
         };
         close_attempt(conn, &lease, AttemptOutcome::Abandoned, Some(error), now)?;

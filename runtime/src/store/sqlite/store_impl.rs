@@ -2,6 +2,7 @@
 //! writer, reads through the reader pool.
 
 use super::*;
+use crate::store::{DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result};
 
 #[async_trait]
 impl Store for SqliteStore {
@@ -19,16 +20,14 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn lease(
-        &self,
-        queue: &str,
-        max: u32,
-        plugin_version: &str,
-        now: Millis,
-    ) -> Result<Vec<Lease>, StoreError> {
-        let (queue, version) = (queue.to_owned(), plugin_version.to_owned());
-        self.write(false, move |w| lease_batch(w, &queue, max, &version, now))
-            .await
+    async fn lease(&self, ask: &LeaseAsk<'_>, now: Millis) -> Result<Leased> {
+        // One daemon owns this ledger: its own slots and rate limiter keep
+        // `ask.limits`, and `max` is the only bound here.
+        let (queue, max, version) = (ask.queue.to_owned(), ask.max, ask.plugin_version.to_owned());
+        let leases = self
+            .write(false, move |w| lease_batch(w, &queue, max, &version, now))
+            .await?;
+        Ok(Leased { leases, held: None })
     }
 
     async fn next_run_at(&self, queue: &str) -> Result<Option<Millis>, StoreError> {
@@ -44,12 +43,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn finish(
-        &self,
-        lease: &LeaseRef,
-        finish: Finish,
-        now: Millis,
-    ) -> Result<JobState, StoreError> {
+    async fn finish(&self, lease: &LeaseRef, finish: Finish, now: Millis) -> Result<JobState> {
         let lease = lease.clone();
         // A fenced finish still records how its attempt ended: commit that
         // part, then report the fence.
@@ -179,23 +173,13 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn sweep(
-        &self,
-        now: Millis,
-        rules: &RetentionRules,
-        limit: u32,
-    ) -> Result<Swept, StoreError> {
+    async fn sweep(&self, now: Millis, rules: &RetentionRules, limit: u32) -> Result<Swept> {
         let rules = rules.clone();
         self.write(true, move |w| sweep_step(w, now, &rules, limit))
             .await
     }
 
-    async fn kv_get(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
+    async fn kv_get(&self, lease: &LeaseRef, ns: &str, key: &str) -> Result<Option<Vec<u8>>> {
         let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
@@ -204,44 +188,22 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn kv_put(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<(), StoreError> {
-        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
+    async fn kv_put(&self, lease: &LeaseRef, put: KvPut, now: Millis) -> Result<bool> {
+        let lease = lease.clone();
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
-            w.conn
-                .prepare_cached(
-                    "INSERT OR REPLACE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)",
-                )?
-                .execute(params![ns, key, value, now.0])?;
-            Ok(())
-        })
-        .await
-    }
-
-    async fn kv_insert_if_absent(
-        &self,
-        lease: &LeaseRef,
-        ns: &str,
-        key: &str,
-        value: Vec<u8>,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
-        let (lease, ns, key) = (lease.clone(), ns.to_owned(), key.to_owned());
-        self.write(false, move |w| {
-            check_lease(&w.conn, &lease)?;
+            let sql = match put.mode {
+                PutMode::Replace => {
+                    "INSERT OR REPLACE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)"
+                }
+                PutMode::IfAbsent => {
+                    "INSERT OR IGNORE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)"
+                }
+            };
             let n = w
                 .conn
-                .prepare_cached(
-                    "INSERT OR IGNORE INTO kv (namespace, key, value, written_at) VALUES (?1, ?2, ?3, ?4)",
-                )?
-                .execute(params![ns, key, value, now.0])?;
+                .prepare_cached(sql)?
+                .execute(params![put.ns, put.key, put.value, now.0])?;
             Ok(n == 1)
         })
         .await
@@ -324,12 +286,8 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn index_get_leased(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<String>, StoreError> {
+    async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>> {
+        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
         let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
@@ -338,11 +296,8 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn index_get(
-        &self,
-        collection: &str,
-        id: &str,
-    ) -> Result<Option<(String, u64)>, StoreError> {
+    async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>> {
+        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
         let (collection, id) = (collection.to_owned(), id.to_owned());
         self.read(
             move |c| Ok(index_read(c, &collection, &id)?.and_then(|(d, v)| d.map(|d| (d, v)))),
@@ -353,38 +308,23 @@ impl Store for SqliteStore {
     async fn fence_begin(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         fingerprint: &[u8],
         now: Millis,
     ) -> Result<FenceBegin, StoreError> {
         let (lease, id, fingerprint) = (lease.clone(), id.clone(), fingerprint.to_vec());
         self.write(true, move |w| {
-            fence_begin_step(&w.conn, &lease, attempt, &id, &fingerprint, now)
+            fence_begin_step(&w.conn, &lease, &id, &fingerprint, now)
         })
         .await
     }
 
-    async fn fence_take_over(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_take_over(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()> {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |w| {
             check_lease(&w.conn, &lease)?;
             owned_or_abandoned(&w.conn, &lease, &id)?;
-            set_fence(
-                &w.conn,
-                &id,
-                FenceState::Started,
-                &lease,
-                attempt,
-                None,
-                now,
-            )
+            set_fence(&w.conn, &id, FenceState::Started, &lease, None, now)
         })
         .await
     }
@@ -392,7 +332,6 @@ impl Store for SqliteStore {
     async fn fence_done(
         &self,
         lease: &LeaseRef,
-        attempt: u32,
         id: &FenceId,
         result: Vec<u8>,
         now: Millis,
@@ -400,15 +339,7 @@ impl Store for SqliteStore {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |w| {
             held_by(&w.conn, &lease, &id)?;
-            set_fence(
-                &w.conn,
-                &id,
-                FenceState::Done,
-                &lease,
-                attempt,
-                Some(&result),
-                now,
-            )
+            set_fence(&w.conn, &id, FenceState::Done, &lease, Some(&result), now)
         })
         .await
     }
@@ -422,35 +353,17 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn fence_uncertain(
-        &self,
-        lease: &LeaseRef,
-        attempt: u32,
-        id: &FenceId,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_uncertain(&self, lease: &LeaseRef, id: &FenceId, now: Millis) -> Result<()> {
         let (lease, id) = (lease.clone(), id.clone());
         self.write(true, move |w| {
             owned_or_abandoned(&w.conn, &lease, &id)?;
-            set_fence(
-                &w.conn,
-                &id,
-                FenceState::Uncertain,
-                &lease,
-                attempt,
-                None,
-                now,
-            )
+            set_fence(&w.conn, &id, FenceState::Uncertain, &lease, None, now)
         })
         .await
     }
 
-    async fn fence_resolve(
-        &self,
-        id: &FenceId,
-        resolution: Resolution,
-        now: Millis,
-    ) -> Result<(), StoreError> {
+    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()> {
+        let resolution = to;
         let id = id.clone();
         self.write(true, move |w| {
             fence_resolve_step(&w.conn, &id, resolution, now)
@@ -458,12 +371,8 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn fences(
-        &self,
-        namespace: Option<&str>,
-        state: Option<FenceState>,
-        limit: u32,
-    ) -> Result<Vec<Fence>, StoreError> {
+    async fn fences(&self, filter: &FenceFilter) -> Result<Vec<Fence>> {
+        let (namespace, state, limit) = (filter.namespace.as_deref(), filter.state, filter.limit);
         let namespace = namespace.map(str::to_owned);
         self.read(move |c| {
             let sql = format!(
@@ -520,11 +429,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn export(
-        &self,
-        cursor: Option<copy::Cursor>,
-        limit: u32,
-    ) -> Result<copy::ExportPage, StoreError> {
+    async fn export(&self, cursor: Option<copy::Cursor>, limit: u32) -> Result<copy::ExportPage> {
         let (cursor, limit) = copy::page_request(cursor, limit);
         self.read(move |c| export_page(c, &cursor, limit)).await
     }
