@@ -1,5 +1,5 @@
 //! No acknowledged job is lost and no completed job runs again across
-//! `kill -9` of the real daemon at random moments (DESIGN 2, 7).
+//! `kill -9` of the real daemon at random moments (docs/jobs.md#crash-recovery-and-lease-expiry).
 
 use crate::support;
 

@@ -1,4 +1,4 @@
-//! The operator dashboard (DESIGN 6.8) in a real headless browser: Debian's
+//! The operator dashboard (docs/api.md#the-dashboard) in a real headless browser: Debian's
 //! `chromium`, driven over WebDriver by `chromedriver` (package
 //! `chromium-driver`), against the real daemon. The page is read and clicked
 //! as an operator would; what it claims is checked against the API.

@@ -1,4 +1,4 @@
-//! Producer-side deduplication through the real daemon (DESIGN 3).
+//! Producer-side deduplication through the real daemon (docs/jobs.md#enqueue-deduplication).
 
 use crate::support;
 

@@ -1,4 +1,4 @@
-//! Effects happen once (DESIGN 4), through the real daemon, against a real
+//! Effects happen once (docs/fences.md), through the real daemon, against a real
 //! HTTP server and a real SMTP server on 127.0.0.1.
 
 use crate::servers;

@@ -1,7 +1,7 @@
-//! The rare crash points of DESIGN 4, hit on purpose: a failpoint holds the
+//! The rare crash points of an effect (docs/fences.md), hit on purpose: a failpoint holds the
 //! daemon at one point of an effect while the test `kill -9`s it, then the
-//! daemon restarts without the failpoint. One test per row of the table
-//! whose outcome depends on where the crash fell. And one window that a
+//! daemon restarts without the failpoint. One test per row of the table of
+//! docs/fences.md#what-fence_begin-does whose outcome depends on where the crash fell. And one window that a
 //! single daemon otherwise closes at once: a cancelled attempt still running
 //! before its interrupt, whose effects are all `fenced`.
 //!
@@ -315,7 +315,7 @@ fn guest_lines(d: &Daemon, id: &str, prefix: &str) -> Vec<String> {
         .collect()
 }
 
-/// DESIGN 4, fencing: an attempt that no longer holds its job gets `fenced`
+/// docs/fences.md#fencing: an attempt that no longer holds its job gets `fenced`
 /// from every effect call and changes nothing.
 ///
 /// A cancel commits the job's new state, then interrupts the attempt still

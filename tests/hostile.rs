@@ -1,4 +1,4 @@
-//! Hostile plugins through the real daemon (DESIGN 5): WASI grants nothing,
+//! Hostile plugins through the real daemon (docs/wit.md#the-sandbox): WASI grants nothing,
 //! floods and oversized results are bounded, and plugins that do not fit
 //! are refused at load with an error naming queue, plugin and cause — while
 //! an ordinary queue beside them goes on completing jobs.

@@ -1,5 +1,5 @@
 //! The job life cycle through the real daemon: run, order, concurrency,
-//! retries, limits, dead-letter, manual retry and cancel (DESIGN 2).
+//! retries, limits, dead-letter, manual retry and cancel (docs/jobs.md#life-cycle).
 
 use crate::support;
 

@@ -1,4 +1,4 @@
-//! Several daemons on one PostgreSQL database (DESIGN 10): leases that
+//! Several daemons on one PostgreSQL database (docs/multi-daemon.md): leases that
 //! expire and are renewed by heartbeat, a killed daemon's jobs redelivered by
 //! the others, a paused daemon fenced, dedup and schedules across daemons.
 //! The server is named by `KHATA_TEST_PG_URL`; each test gets a database of

@@ -87,7 +87,7 @@ async fn metrics_count_jobs_and_queue_depth() {
     }
 }
 
-/// systemd's notify protocol (DESIGN 6.7): `READY=1` once the API answers,
+/// systemd's notify protocol (README.md#running-as-a-service): `READY=1` once the API answers,
 /// `WATCHDOG=1` while running, `STOPPING=1` on SIGTERM.
 #[tokio::test]
 async fn systemd_hears_ready_watchdog_and_stopping() {

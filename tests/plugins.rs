@@ -1,4 +1,4 @@
-//! The plugin life cycle through the real daemon (DESIGN 5): a plugin
+//! The plugin life cycle through the real daemon (docs/wit.md#the-sandbox): a plugin
 //! swapped under load, broken builds refused while the old version serves,
 //! a missing plugin holding its jobs, and the compiled-code cache.
 //!

@@ -1,4 +1,4 @@
-//! The real daemon with its ledger in PostgreSQL (DESIGN 10): jobs complete,
+//! The real daemon with its ledger in PostgreSQL (docs/jobs-toml.md#store): jobs complete,
 //! `kill -9` loses nothing acknowledged and completes nothing twice, and id
 //! dedup holds. The server is named by `KHATA_TEST_PG_URL` (scripts/test
 //! starts one with scripts/pg-test-server); each test gets a database of

@@ -1,4 +1,4 @@
-//! Schedules through the real daemon (DESIGN 6.5): one job per fire time
+//! Schedules through the real daemon (docs/jobs-toml.md#schedulesname): one job per fire time
 //! under `schedule:<name>:<time>`, the catch-up policies, and no fire time
 //! enqueued twice across a kill -9 or a lost marks file.
 

@@ -1,4 +1,4 @@
-//! `khata store copy` (DESIGN 10): a ledger moves between SQLite, sled and
+//! `khata store copy` (docs/jobs-toml.md#moving-a-ledger): a ledger moves between SQLite, sled and
 //! PostgreSQL with its jobs, attempts, effects, dedup keys, fences and kv, so
 //! that a charge made before the move is replayed, not made again, after it.
 //! The real daemon does the work on both sides; the copies are checked with

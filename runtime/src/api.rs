@@ -1,4 +1,4 @@
-//! The HTTP API (DESIGN 6.2): JSON routes over the store and the queues.
+//! The HTTP API (docs/api.md): JSON routes over the store and the queues.
 //!
 //! Every route but `/healthz`, `/readyz` and the dashboard's static files
 //! (`dashboard`) needs the bearer token when one is configured.
@@ -468,7 +468,7 @@ fn new_job(
     })
 }
 
-/// One result of an enqueue (DESIGN 6.2).
+/// One result of an enqueue (docs/api.md#enqueue).
 #[derive(Serialize)]
 struct EnqueuedView<'a> {
     job: JobView<'a>,
@@ -616,7 +616,7 @@ impl Serialize for StoredJson<'_> {
     }
 }
 
-/// The job object of DESIGN 6.2.
+/// The job object (docs/api.md#the-job-object).
 #[derive(Serialize)]
 pub struct JobView<'a> {
     id: &'a str,

@@ -1,6 +1,6 @@
 //! The job and its life cycle: the types every layer shares.
 //!
-//! A job moves through these states (DESIGN 2); each says who moves it next:
+//! A job moves through these states (docs/jobs.md#life-cycle); each says who moves it next:
 //!
 //! ```text
 //!            enqueue                lease (dispatcher)          Ok(result)

@@ -1,4 +1,4 @@
-//! Schedules (DESIGN 6.5): `[schedules.NAME]` cron entries that enqueue jobs.
+//! Schedules (docs/jobs-toml.md#schedulesname): `[schedules.NAME]` cron entries that enqueue jobs.
 //!
 //! Invariants:
 //!

@@ -31,7 +31,7 @@
 //! (another job id) mails it again. To mail each report once, give its jobs a
 //! stable id, such as `khata enqueue generate-report '{...}' --id report-<report_id>`
 //! (enqueueing that id again returns the existing job), or let a schedule
-//! enqueue them (each firing has its own fixed id, DESIGN 6.5).
+//! enqueue them (each firing has its own fixed id, docs/jobs-toml.md#schedulesname).
 //!
 //! With the outbox transport a send whose outcome is unknown is settled by
 //! looking for the message's file. Over SMTP the queue's `on_uncertain` policy

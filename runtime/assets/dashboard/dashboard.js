@@ -1,4 +1,4 @@
-// khata's operator dashboard (DESIGN 6.8). It reads the daemon's JSON API,
+// khata's operator dashboard (docs/api.md#the-dashboard). It reads the daemon's JSON API,
 // the same one the CLI uses, and polls it every two seconds.
 //
 // Everything the API returns is data, some of it written by users (job

@@ -1,4 +1,4 @@
-//! The operator dashboard (DESIGN 6.8): one static page with its script and
+//! The operator dashboard (docs/api.md#the-dashboard): one static page with its script and
 //! style, embedded in the binary (no build step). The page holds no data: the
 //! browser reads the JSON API with the operator's token, which the page asks
 //! for when the API answers 401. So these three routes need no token, and

@@ -378,7 +378,7 @@ pub enum FenceCommand {
     },
 }
 
-/// A job's state (DESIGN.md §2).
+/// A job's state (docs/jobs.md#states).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum JobState {
     /// Ready to run.
@@ -409,7 +409,7 @@ impl JobState {
     }
 }
 
-/// A fence's state (DESIGN.md §4).
+/// A fence's state (docs/fences.md#fence-states).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FenceState {
     /// The effect was started and has not been recorded done.

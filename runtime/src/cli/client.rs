@@ -131,7 +131,7 @@ pub(super) fn url_from_listen(listen: &str) -> String {
 // ---------------------------------------------------------------------------
 // The API client
 
-/// A client of the daemon's HTTP API (DESIGN.md §6.2), one method per route.
+/// A client of the daemon's HTTP API (docs/api.md), one method per route.
 ///
 /// Answers are returned as the API's JSON, unchanged.
 #[derive(Debug, Clone)]

@@ -1,8 +1,8 @@
-//! The `khata` command line (DESIGN.md §6.3).
+//! The `khata` command line (docs/cli.md).
 //!
 //! One binary: `khata serve` and `khata check` hand over to the daemon
 //! ([`crate::daemon`]); every other command is a small client of the daemon's
-//! HTTP API (§6.2), built on [`Client`], which tests and benchmarks can reuse.
+//! HTTP API (docs/api.md), built on [`Client`], which tests and benchmarks can reuse.
 //!
 //! Where the client finds the daemon: `--url` / `KHATA_URL` and `--token` /
 //! `KHATA_TOKEN` when given; otherwise `[daemon] listen` and `token` /

@@ -1,6 +1,6 @@
 //! `jobs.toml`: reading, validating and resolving the daemon's configuration.
 //!
-//! This module owns the file format of DESIGN sections 6.4, 6.5 and 10 and
+//! This module owns the file format of docs/jobs-toml.md and
 //! nothing else: it turns the text of `jobs.toml` into a [`Config`] of plain,
 //! resolved values (defaults applied, `[defaults]` merged into every queue,
 //! durations and sizes parsed, relative paths made relative to the directory

@@ -201,7 +201,7 @@ impl Backoff {
     }
 }
 
-/// What to do with an attempt's effect whose outcome is unknown (DESIGN 4).
+/// What to do with an attempt's effect whose outcome is unknown (docs/effects.md#on_uncertain).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OnUncertain {
     Skip,
@@ -368,7 +368,7 @@ impl Secret {
     }
 }
 
-/// One `[schedules.NAME]` (DESIGN 6.5).
+/// One `[schedules.NAME]` (docs/jobs-toml.md#schedulesname).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Schedule {
     pub name: String,
@@ -412,7 +412,7 @@ impl CatchUp {
     }
 }
 
-/// `[store]` (DESIGN 10).
+/// `[store]` (docs/jobs-toml.md#store).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreConfig {
     pub backend: Backend,

@@ -1,7 +1,8 @@
 use super::*;
 
-/// The examples of DESIGN 6.4, 6.5 and 10, with the queue the schedule names.
-const DESIGN_EXAMPLE: &str = r#"
+/// A configuration that uses every section of docs/jobs-toml.md, with the
+/// queue the schedule names.
+const FULL_EXAMPLE: &str = r#"
 [daemon]
 data_dir = "./data"            # the ledger (khata.db) and the email outbox
 plugins_dir = "./plugins"      # <name>.wasm, watched for changes
@@ -121,7 +122,7 @@ namespace = "users"
 
 #[test]
 fn design_example_parses() {
-    let config = parse(DESIGN_EXAMPLE).unwrap();
+    let config = parse(FULL_EXAMPLE).unwrap();
     assert_eq!(config.path, Path::new("/etc/khata/jobs.toml"));
     assert_eq!(config.daemon.data_dir, Path::new("/etc/khata/data"));
     assert_eq!(config.daemon.plugins_dir, Path::new("/etc/khata/plugins"));

@@ -1,6 +1,6 @@
 //! The email transports: the outbox directory and SMTP.
 //!
-//! This module only delivers a message; the fence around a send (DESIGN 4)
+//! This module only delivers a message; the fence around a send (docs/fences.md)
 //! is kept by the caller, which needs three things from here:
 //!
 //! - a [`message_id`] derived from the effect's key, so that a repeated send

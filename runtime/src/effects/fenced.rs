@@ -1,4 +1,4 @@
-//! The fence protocol for external effects (DESIGN 4), the same for every
+//! The fence protocol for external effects (docs/fences.md), the same for every
 //! provider.
 //!
 //! Per call, with the fence of (namespace, kind, key) and the fingerprint of
@@ -150,7 +150,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
         format!("{}/{}/{}", self.id.namespace, self.id.kind, self.id.key)
     }
 
-    /// Runs the call through DESIGN 4's table.
+    /// Runs the call through the table of docs/fences.md#what-fence_begin-does.
     pub async fn call(&self) -> Result<Answer, EffectError> {
         let fx = self.effects;
         self.step(Point::BeforeStarted).await;

@@ -3,7 +3,7 @@
 //! An [`Effects`] value belongs to one attempt. Every call is checked, in
 //! this order, before anything happens:
 //!
-//! 1. the queue's grants (DESIGN 5): a call without a grant is `denied`;
+//! 1. the queue's grants (docs/wit.md#the-sandbox; the grants: docs/jobs-toml.md#grants): a call without a grant is `denied`;
 //! 2. the request's shape (sizes, names): a malformed one is `invalid`;
 //! 3. the attempt's lease, inside the same store step as the effect: an
 //!    attempt that no longer holds its job is `fenced` and changes nothing.

@@ -47,7 +47,7 @@ pub struct Step<'a> {
     pub kind: &'a str,
     /// The effect's key (for kv, the kv key; for index, `collection/id`).
     pub key: &'a str,
-    /// The fingerprint of the request (DESIGN 4), or of the write for kv and index.
+    /// The fingerprint of the request (docs/fences.md#the-fence), or of the write for kv and index.
     pub fingerprint: &'a [u8],
     pub point: Point,
 }

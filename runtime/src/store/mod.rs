@@ -129,7 +129,7 @@ pub struct Fence {
     pub updated_at: Millis,
 }
 
-/// What `fence_begin` found (DESIGN 4's table), and did.
+/// What `fence_begin` found (the table of docs/fences.md#what-fence_begin-does), and did.
 #[derive(Clone, Debug, PartialEq)]
 pub enum FenceBegin {
     /// No fence: `started` is written (durably) for the caller, who may now
@@ -383,7 +383,7 @@ pub struct FenceFilter {
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Enqueues `jobs` in one step, all or none, deduplicating by id and by
-    /// dedup key (DESIGN 3). Answers in the order given. **Durable.**
+    /// dedup key (docs/jobs.md#enqueue-deduplication). Answers in the order given. **Durable.**
     async fn enqueue(&self, jobs: Vec<NewJob>, now: Millis) -> Result<Vec<Enqueued>, StoreError>;
 
     /// Leases up to `ask.max` jobs of `ask.queue` that are waiting with
@@ -485,9 +485,9 @@ pub trait Store: Send + Sync + 'static {
     /// A document and its version, for operators. Committed state.
     async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>>;
 
-    // Fences of external effects (DESIGN 4).
+    // Fences of external effects (docs/fences.md).
 
-    /// Checks `lease`, looks at the fence of `id` and acts on DESIGN 4's
+    /// Checks `lease`, looks at the fence of `id` and acts on the table of docs/fences.md#what-fence_begin-does (see hand-written list)
     /// table: absent → writes `started` for this attempt. **Durable**: the
     /// effect leaves the host only after `started` is on disk, together with
     /// every applied step before it.

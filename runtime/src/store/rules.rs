@@ -126,7 +126,7 @@ impl Ending {
     }
 }
 
-/// The finish transition (DESIGN 2): a completion completes; a retry goes
+/// (docs/jobs.md#how-an-attempt-ends): a completion completes; a retry goes
 /// back to waiting at its `run_at` while the attempt budget lasts and is
 /// dead once it is used up; a failure is dead at once; an interrupted
 /// attempt (a shutdown) goes back to waiting now and is not counted. A lease
@@ -314,7 +314,7 @@ pub enum Begin<F> {
     AskHolder(F),
 }
 
-/// DESIGN 4's table: another request under the same key is `KeyReused`;
+/// The table of docs/fences.md#what-fence_begin-does: another request under the same key is `KeyReused`;
 /// `done` replays its result; `uncertain` stays so until an operator
 /// resolves it; `started` by this very attempt belongs to an earlier call
 /// that ended without an outcome (a guest's host calls are sequential), so

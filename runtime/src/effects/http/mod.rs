@@ -1,6 +1,6 @@
 //! HTTP providers: the `[http.NAME]` sections of `jobs.toml` made into clients.
 //!
-//! This is the provider layer of the http effect (DESIGN 4 and 6.4), below the
+//! This is the provider layer of the http effect (docs/fences.md and docs/jobs-toml.md#httpname), below the
 //! fence protocol: it checks a handler's request, sends it to the provider's
 //! host, reads the answer with a size cap and says, when no answer came,
 //! whether the request may have reached the server. It keeps no state of its
@@ -385,7 +385,7 @@ impl Provider {
         response
     }
 
-    /// Reconciliation (DESIGN 4): None when no `reconcile` is configured.
+    /// (docs/fences.md#unknown-outcomes): None when no `reconcile` is configured.
     /// Otherwise sends reconcile.method to reconcile.path with `{key}`
     /// replaced by the percent-encoded key (plus configured headers and the
     /// fencing token): Some(Ok(Some(resp))) for a 2xx (the effect happened;

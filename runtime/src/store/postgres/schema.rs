@@ -79,7 +79,7 @@ CREATE TABLE index_docs (
     PRIMARY KEY (collection, id)
 );
 
--- One fence per effect (DESIGN 4): started -> done, uncertain, or deleted.
+-- One fence per effect (docs/fences.md#fence-states): started -> done, uncertain, or deleted.
 CREATE TABLE fences (
     namespace   text NOT NULL,
     kind        text NOT NULL,

@@ -81,7 +81,7 @@ CREATE TABLE index_docs (
     PRIMARY KEY (collection, id)
 ) WITHOUT ROWID;
 
--- One fence per effect (DESIGN 4): started -> done, uncertain, or deleted.
+-- One fence per effect (docs/fences.md#fence-states): started -> done, uncertain, or deleted.
 CREATE TABLE fences (
     namespace   TEXT NOT NULL,
     kind        TEXT NOT NULL,

@@ -1,6 +1,6 @@
 //! `stale`: a test guest that goes on calling effects after its attempt has
 //! lost the job, to show that every effect of a stale attempt is refused as
-//! `fenced` and changes nothing (DESIGN 4, "Fencing").
+//! `fenced` and changes nothing (docs/fences.md#fencing).
 //!
 //! | `do` | fields | does |
 //! | --- | --- | --- |
