@@ -25,7 +25,9 @@ use std::sync::{Arc, Mutex};
 use crate::config::{Grants, OnUncertain};
 use crate::job::{LeaseRef, Millis};
 use crate::store::RESOLVED_BY_OPERATOR;
-use crate::store::{DocId, EffectRecord, KvPut, PutMode, Store, StoreError, UpsertOutcome};
+use crate::store::{
+    Doc, DocId, EffectRecord, KvPut, PutMode, Store, StoreError, Tombstone, UpsertOutcome,
+};
 use email::{Mail, Mailer, SendError};
 use fenced::{Effect, Fenced, Reconciled, Tried};
 use http::{HttpError, HttpRequest, HttpResponse, Provider, Providers};
@@ -423,10 +425,12 @@ impl Effects {
             request.as_bytes(),
             self.store.index_upsert(
                 &self.lease,
-                collection,
-                id,
-                document,
-                version,
+                Doc {
+                    collection: collection.to_owned(),
+                    id: id.to_owned(),
+                    version,
+                    document: document.to_owned(),
+                },
                 Millis::now(),
             ),
         )
@@ -447,8 +451,15 @@ impl Effects {
             "index",
             &key,
             request.as_bytes(),
-            self.store
-                .index_remove(&self.lease, collection, id, version, Millis::now()),
+            self.store.index_remove(
+                &self.lease,
+                Tombstone {
+                    collection: collection.to_owned(),
+                    id: id.to_owned(),
+                    version,
+                },
+                Millis::now(),
+            ),
         )
         .await
     }

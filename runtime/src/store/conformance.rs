@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    DocId, EffectRecord, FenceBegin, FenceFilter, FenceId, FenceState, JobFilter, KvPut, LeaseAsk,
-    LeaseLimits, PutMode, Resolution, RetentionRules, Store, StoreError, UpsertOutcome,
+    Doc, DocId, EffectRecord, FenceBegin, FenceFilter, FenceId, FenceState, JobFilter, KvPut,
+    LeaseAsk, LeaseLimits, PutMode, Resolution, RetentionRules, Store, StoreError, Tombstone,
+    UpsertOutcome,
 };
 use crate::job::{AttemptOutcome, Finish, JobState, Lease, LeaseRef, Millis, NewJob};
 
@@ -109,6 +110,25 @@ pub fn put(ns: &str, key: &str, value: Vec<u8>, mode: PutMode) -> KvPut {
         key: key.to_owned(),
         value,
         mode,
+    }
+}
+
+/// An index upsert, for the checks and the backends' own tests.
+pub fn doc_at(collection: &str, id: &str, version: u64, document: &str) -> Doc {
+    Doc {
+        collection: collection.to_owned(),
+        id: id.to_owned(),
+        version,
+        document: document.to_owned(),
+    }
+}
+
+/// An index removal, for the checks and the backends' own tests.
+pub fn tombstone(collection: &str, id: &str, version: u64) -> Tombstone {
+    Tombstone {
+        collection: collection.to_owned(),
+        id: id.to_owned(),
+        version,
     }
 }
 
@@ -653,7 +673,7 @@ pub async fn index_versions(s: Arc<dyn Store>) {
     let up = |doc: &'static str, v: u64| {
         let (s, l) = (Arc::clone(&s), l.clone());
         async move {
-            s.index_upsert(&l, "products", "p1", doc, v, T0)
+            s.index_upsert(&l, doc_at("products", "p1", v, doc), T0)
                 .await
                 .unwrap()
         }
@@ -670,10 +690,16 @@ pub async fn index_versions(s: Arc<dyn Store>) {
         Some("v20")
     );
     assert!(
-        !s.index_remove(&l, "products", "p1", 15, T0).await.unwrap(),
+        !s.index_remove(&l, tombstone("products", "p1", 15), T0)
+            .await
+            .unwrap(),
         "older remove ignored"
     );
-    assert!(s.index_remove(&l, "products", "p1", 25, T0).await.unwrap());
+    assert!(
+        s.index_remove(&l, tombstone("products", "p1", 25), T0)
+            .await
+            .unwrap()
+    );
     assert_eq!(
         s.index_get_leased(&l, &doc("products", "p1"))
             .await
@@ -724,11 +750,11 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
     }
     // A tombstone of version 10 written at T0, another at day 7.
     for (id, when) in [("gone", T0), ("recent", T0.plus(day * 7))] {
-        s.index_upsert(&writer, "products", id, "{}", 9, when)
+        s.index_upsert(&writer, doc_at("products", id, 9, "{}"), when)
             .await
             .unwrap();
         assert!(
-            s.index_remove(&writer, "products", id, 10, when)
+            s.index_remove(&writer, tombstone("products", id, 10), when)
                 .await
                 .unwrap()
         );
@@ -792,7 +818,7 @@ pub async fn sweep_retention(s: Arc<dyn Store>) {
     let up = |id: &'static str| {
         let (s, r) = (Arc::clone(&s), r.clone());
         async move {
-            s.index_upsert(&r, "products", id, "{}", 5, now)
+            s.index_upsert(&r, doc_at("products", id, 5, "{}"), now)
                 .await
                 .unwrap()
         }

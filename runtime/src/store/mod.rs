@@ -185,6 +185,20 @@ pub struct JobFilter {
     pub cursor: Option<String>,
 }
 
+impl JobFilter {
+    /// The enqueue sequence number the page starts below: the cursor of
+    /// the previous page, or past every job. `NotFound` for a cursor that
+    /// no page gave.
+    pub fn before(&self) -> Result<u64> {
+        match &self.cursor {
+            Some(s) => s
+                .parse()
+                .map_err(|_| StoreError::NotFound(format!("cursor {s:?}"))),
+            None => Ok(u64::MAX),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct JobPage {
     pub jobs: Vec<Job>,
@@ -369,6 +383,23 @@ pub struct DocId {
     pub id: String,
 }
 
+/// An index upsert: `document` as `version` of (`collection`, `id`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Doc {
+    pub collection: String,
+    pub id: String,
+    pub version: u64,
+    pub document: String,
+}
+
+/// An index removal: a tombstone at `version` of (`collection`, `id`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tombstone {
+    pub collection: String,
+    pub id: String,
+    pub version: u64,
+}
+
 /// Which fences an operator lists: of `namespace` and in `state` when
 /// given, at most `limit`, most recently changed first.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -461,26 +492,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Upserts a document unless the stored version is higher (`Stale`) or
     /// equal (`Unchanged`).
-    async fn index_upsert(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        document: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<UpsertOutcome, StoreError>;
+    async fn index_upsert(&self, lease: &LeaseRef, doc: Doc, now: Millis) -> Result<UpsertOutcome>;
     /// Removes a document whose stored version is not higher than `version`,
     /// leaving a tombstone at `version` so that older upserts stay stale.
     /// True when a live document was removed.
-    async fn index_remove(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<bool, StoreError>;
+    async fn index_remove(&self, lease: &LeaseRef, tomb: Tombstone, now: Millis) -> Result<bool>;
     async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>>;
     /// A document and its version, for operators. Committed state.
     async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>>;

@@ -7,9 +7,9 @@
 //! nothing). So a change to what a finish does is made here, and the
 //! conformance suite checks that every backend writes it.
 
-use crate::job::{AttemptOutcome, Finish, JobState, LeaseRef, Millis};
+use crate::job::{AttemptOutcome, Enqueued, Finish, Job, JobState, LeaseRef, Millis, NewJob};
 
-use super::{Fence, FenceBegin, FenceId, FenceState, StoreError};
+use super::{Fence, FenceBegin, FenceId, FenceState, StoreError, UpsertOutcome};
 
 /// The error of an attempt that recovery closed: the daemon that ran it
 /// stopped (crash, `kill -9`, power loss).
@@ -289,6 +289,57 @@ impl FenceRow for super::copy::FenceRecord {
     }
 }
 
+/// What an enqueue answers for `job`, just stored as `id` at `now`: the
+/// row as written, without reading it back.
+pub fn created(id: String, job: NewJob, now: Millis) -> Enqueued {
+    Enqueued {
+        job: Job {
+            id,
+            state: visible_state(JobState::Waiting, job.run_at, now),
+            queue: job.queue,
+            payload: job.payload,
+            priority: job.priority,
+            attempt: 0,
+            budget_used: 0,
+            max_attempts: job.max_attempts,
+            dedup_key: job.dedup_key,
+            run_at: job.run_at,
+            enqueued_at: now,
+            finished_at: None,
+            result: None,
+            last_error: None,
+            attempts: Vec::new(),
+        },
+        deduplicated: false,
+    }
+}
+
+/// What an index upsert at `version` answers, given the stored row
+/// (`Some((live, version))`; `live` is false for a tombstone): a higher
+/// stored version, or a tombstone at this version, makes it `Stale`; the
+/// same live version, `Unchanged`. Only `Inserted` and `Updated` write.
+pub fn upsert(stored: Option<(bool, u64)>, version: u64) -> UpsertOutcome {
+    match stored {
+        Some((_, v)) if v > version => UpsertOutcome::Stale,
+        Some((true, v)) if v == version => UpsertOutcome::Unchanged,
+        Some((false, v)) if v == version => UpsertOutcome::Stale,
+        Some((true, _)) => UpsertOutcome::Updated,
+        Some((false, _)) | None => UpsertOutcome::Inserted,
+    }
+}
+
+/// What an index removal at `version` does, given the stored row (as for
+/// [`upsert`]): `None` when a higher version is stored (nothing changes),
+/// else it writes a tombstone at `version` and answers whether a live
+/// document was removed.
+pub fn remove(stored: Option<(bool, u64)>, version: u64) -> Option<bool> {
+    match stored {
+        Some((_, v)) if v > version => None,
+        Some((live, _)) => Some(live),
+        None => Some(false),
+    }
+}
+
 /// The holder of a fence as a lease, to check whether it still holds its
 /// job ([`alive`]).
 pub fn holder_lease(f: &impl FenceRow) -> LeaseRef {
@@ -373,6 +424,22 @@ pub fn moved_if_dead(f: &impl FenceRow, id: &FenceId, alive: bool) -> Result<(),
         ))
     } else {
         Ok(())
+    }
+}
+
+/// Whether an operator may resolve the fence found for `id`: `NotFound`
+/// when there is none, refused when it is done (nothing to resolve).
+/// Answers the fence, and whether the backend must first check that its
+/// holder is dead ([`moved_if_dead`]): a `started` fence is resolvable only
+/// once the attempt that wrote it died; an `uncertain` one always.
+pub fn resolvable<F: FenceRow>(found: Option<F>, id: &FenceId) -> Result<(F, bool), StoreError> {
+    let f = found.ok_or_else(|| {
+        StoreError::NotFound(format!("fence {}/{}/{}", id.namespace, id.kind, id.key))
+    })?;
+    match f.state() {
+        FenceState::Done => Err(invalid_fence(id, "it is done; there is nothing to resolve")),
+        FenceState::Started => Ok((f, true)),
+        FenceState::Uncertain => Ok((f, false)),
     }
 }
 
@@ -699,5 +766,79 @@ mod tests {
         }
         assert!(held_by(&f, &id(), &me).is_ok());
         assert!(held_by(&f, &id(), &lease("a", 9)).is_err());
+    }
+
+    /// An operator resolves an uncertain fence at once and a started one
+    /// once its holder is dead; a done fence has nothing to resolve, and a
+    /// missing one is not found.
+    #[test]
+    fn which_fences_an_operator_may_resolve() {
+        assert!(matches!(
+            resolvable(None::<Fence>, &id()),
+            Err(StoreError::NotFound(what)) if what == "fence n/http/k"
+        ));
+        match resolvable(Some(fence(FenceState::Done, "a", 1)), &id()) {
+            Err(StoreError::InvalidFence { reason, .. }) => {
+                assert_eq!(reason, "it is done; there is nothing to resolve")
+            }
+            other => panic!("{other:?}"),
+        }
+        let (_, ask) = resolvable(Some(fence(FenceState::Uncertain, "a", 1)), &id()).unwrap();
+        assert!(!ask, "an uncertain fence is resolved whoever wrote it");
+        let (f, ask) = resolvable(Some(fence(FenceState::Started, "a", 1)), &id()).unwrap();
+        assert!(ask, "a started fence only once its holder is dead");
+        assert!(moved_if_dead(&f, &id(), true).is_err());
+    }
+
+    /// A new job answers as stored: waiting, or delayed while its run_at
+    /// is ahead, with no attempt yet.
+    #[test]
+    fn a_created_job_is_waiting_or_delayed() {
+        let job = |run_at| NewJob {
+            queue: "q".into(),
+            id: None,
+            payload: "{}".into(),
+            priority: 0,
+            run_at: Millis(run_at),
+            max_attempts: 3,
+            dedup_key: Some("k".into()),
+            dedup_for: None,
+        };
+        let now = Millis(1_000);
+        let e = created("j".into(), job(1_000), now);
+        assert_eq!((e.job.state, e.deduplicated), (JobState::Waiting, false));
+        assert_eq!((e.job.attempt, e.job.enqueued_at), (0, now));
+        assert_eq!(e.job.dedup_key.as_deref(), Some("k"));
+        let e = created("j".into(), job(2_000), now);
+        assert_eq!(e.job.state, JobState::Delayed);
+    }
+
+    /// Versions order the index: a write below the stored version is
+    /// stale, the same live version unchanged, and a tombstone keeps older
+    /// upserts out.
+    #[test]
+    fn index_writes_by_version() {
+        use UpsertOutcome::*;
+        let cases = [
+            (None, 1, Inserted, Some(false)),
+            (Some((true, 1)), 2, Updated, Some(true)),
+            (Some((true, 2)), 2, Unchanged, Some(true)),
+            (Some((true, 3)), 2, Stale, None),
+            (Some((false, 1)), 2, Inserted, Some(false)),
+            (Some((false, 2)), 2, Stale, Some(false)),
+            (Some((false, 3)), 2, Stale, None),
+        ];
+        for (stored, version, up, rm) in cases {
+            assert_eq!(
+                upsert(stored, version),
+                up,
+                "upsert {version} over {stored:?}"
+            );
+            assert_eq!(
+                remove(stored, version),
+                rm,
+                "remove {version} over {stored:?}"
+            );
+        }
     }
 }

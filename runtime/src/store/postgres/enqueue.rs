@@ -133,27 +133,7 @@ pub(super) async fn enqueue_one<C: GenericClient>(
             "a concurrent enqueue created job {id:?}"
         )));
     }
-    // The row just written, without reading it back.
-    Ok(Enqueued {
-        job: Job {
-            id,
-            queue: job.queue.clone(),
-            state: visible_state(JobState::Waiting, job.run_at, now),
-            payload: job.payload.clone(),
-            priority: job.priority,
-            attempt: 0,
-            budget_used: 0,
-            max_attempts: job.max_attempts,
-            dedup_key: job.dedup_key.clone(),
-            run_at: job.run_at,
-            enqueued_at: now,
-            finished_at: None,
-            result: None,
-            last_error: None,
-            attempts: Vec::new(),
-        },
-        deduplicated: false,
-    })
+    Ok(rules::created(id, job.clone(), now))
 }
 
 /// Enqueues a batch. A batch without dedup keys whose ids are distinct is
@@ -251,27 +231,7 @@ pub(super) async fn enqueue_batch<C: GenericClient>(
             }
             return Err(Fail::Store(StoreError::IdReused { id, index }));
         }
-        // The row just written, without reading it back.
-        out.push(Enqueued {
-            job: Job {
-                id,
-                queue: job.queue.clone(),
-                state: visible_state(JobState::Waiting, job.run_at, now),
-                payload: job.payload.clone(),
-                priority: job.priority,
-                attempt: 0,
-                budget_used: 0,
-                max_attempts: job.max_attempts,
-                dedup_key: None,
-                run_at: job.run_at,
-                enqueued_at: now,
-                finished_at: None,
-                result: None,
-                last_error: None,
-                attempts: Vec::new(),
-            },
-            deduplicated: false,
-        });
+        out.push(rules::created(id, job.clone(), now));
     }
     Ok(out)
 }

@@ -44,10 +44,6 @@ pub(super) async fn holder_alive<C: GenericClient>(c: &C, f: &Fence) -> Result<b
     }
 }
 
-pub(super) fn invalid_fence(id: &FenceId, reason: impl Into<String>) -> Fail {
-    Fail::Store(rules::invalid_fence(id, reason))
-}
-
 pub(super) async fn fence_begin_step<C: GenericClient>(
     c: &C,
     lease: &LeaseRef,
@@ -162,20 +158,9 @@ pub(super) async fn fence_resolve_step<C: GenericClient>(
     resolution: Resolution,
     now: Millis,
 ) -> Result<(), Fail> {
-    let f = lock_fence(c, id).await?.ok_or_else(|| {
-        StoreError::NotFound(format!("fence {}/{}/{}", id.namespace, id.kind, id.key))
-    })?;
-    match f.state {
-        FenceState::Done => {
-            return Err(invalid_fence(id, "it is done; there is nothing to resolve"));
-        }
-        FenceState::Started if holder_alive(c, &f).await? => {
-            return Err(invalid_fence(
-                id,
-                format!("a live attempt of job {:?} holds it", f.job_id),
-            ));
-        }
-        FenceState::Started | FenceState::Uncertain => {}
+    let (f, ask) = rules::resolvable(lock_fence(c, id).await?, id)?;
+    if ask {
+        rules::moved_if_dead(&f, id, holder_alive(c, &f).await?)?;
     }
     match resolution {
         Resolution::Done => {

@@ -31,11 +31,10 @@ pub(super) async fn index_upsert_step<C: GenericClient>(
     let v = i64_of(version);
     for _ in 0..MAX_RERUNS {
         let outcome = match index_read(c, collection, id, true).await? {
-            Some((_, stored)) if stored > version => return Ok(UpsertOutcome::Stale),
-            Some((Some(_), stored)) if stored == version => return Ok(UpsertOutcome::Unchanged),
-            Some((None, stored)) if stored == version => return Ok(UpsertOutcome::Stale),
-            Some((Some(_), _)) => UpsertOutcome::Updated,
-            Some((None, _)) => UpsertOutcome::Inserted,
+            Some((doc, stored)) => match rules::upsert(Some((doc.is_some(), stored)), version) {
+                o @ (UpsertOutcome::Inserted | UpsertOutcome::Updated) => o,
+                o => return Ok(o),
+            },
             None => {
                 let inserted = exec(
                     c,
@@ -75,8 +74,10 @@ pub(super) async fn index_remove_step<C: GenericClient>(
     let v = i64_of(version);
     for _ in 0..MAX_RERUNS {
         let removed = match index_read(c, collection, id, true).await? {
-            Some((_, stored)) if stored > version => return Ok(false),
-            Some((doc, _)) => doc.is_some(),
+            Some((doc, stored)) => match rules::remove(Some((doc.is_some(), stored)), version) {
+                Some(removed) => removed,
+                None => return Ok(false),
+            },
             None => {
                 let inserted = exec(
                     c,

@@ -3,7 +3,7 @@
 //! finisher groups.
 
 use super::*;
-use crate::store::{DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result};
+use crate::store::{Doc, DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result, Tombstone};
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -222,12 +222,7 @@ impl Store for PostgresStore {
 
     async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
         let limit = filter.limit.clamp(1, 1000);
-        let cursor: i64 = match &filter.cursor {
-            Some(s) => s
-                .parse()
-                .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
-            None => i64::MAX,
-        };
+        let cursor = i64::try_from(filter.before()?).unwrap_or(i64::MAX);
         let mut sql = " FROM jobs WHERE seq < $1".to_owned();
         let mut args: Vec<Box<dyn ToSql + Sync + Send>> = vec![Box::new(cursor)];
         if let Some(q) = &filter.queue {
@@ -394,32 +389,20 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn index_upsert(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        document: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<UpsertOutcome, StoreError> {
+    async fn index_upsert(&self, lease: &LeaseRef, doc: Doc, now: Millis) -> Result<UpsertOutcome> {
+        let (collection, id, version, document) =
+            (doc.collection, doc.id, doc.version, doc.document);
         step!(self, Mode::Write, |tx| {
             check_lease(&tx, lease, true).await?;
-            index_upsert_step(&tx, collection, id, document, version, now).await
+            index_upsert_step(&tx, &collection, &id, &document, version, now).await
         })
     }
 
-    async fn index_remove(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
+    async fn index_remove(&self, lease: &LeaseRef, tomb: Tombstone, now: Millis) -> Result<bool> {
+        let (collection, id, version) = (tomb.collection, tomb.id, tomb.version);
         step!(self, Mode::Write, |tx| {
             check_lease(&tx, lease, true).await?;
-            index_remove_step(&tx, collection, id, version, now).await
+            index_remove_step(&tx, &collection, &id, version, now).await
         })
     }
 

@@ -1,5 +1,5 @@
 use crate::store::PutMode;
-use crate::store::conformance::{LeaseUpTo, put};
+use crate::store::conformance::{LeaseUpTo, doc_at, put};
 use crate::store::{LeaseAsk, LeaseLimits};
 use std::sync::Arc;
 
@@ -119,7 +119,11 @@ async fn an_expired_lease_is_fenced_and_reclaimed_by_another_daemon() {
             .map(drop),
     );
     fenced(a.kv_get(&f, "ns", "k").await.map(|_| ()));
-    fenced(a.index_upsert(&f, "c", "d", "{}", 1, t0).await.map(|_| ()));
+    fenced(
+        a.index_upsert(&f, doc_at("c", "d", 1, "{}"), t0)
+            .await
+            .map(|_| ()),
+    );
     let fid = crate::store::FenceId {
         namespace: "ns".into(),
         kind: "http".into(),

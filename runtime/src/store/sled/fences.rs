@@ -97,20 +97,9 @@ pub(super) fn fence_resolve_step(
     resolution: Resolution,
     now: Millis,
 ) -> Result<(), StoreError> {
-    let f = tx.fence(id)?.ok_or_else(|| {
-        StoreError::NotFound(format!("fence {}/{}/{}", id.namespace, id.kind, id.key))
-    })?;
-    match f.state {
-        FenceState::Done => {
-            return Err(invalid_fence(id, "it is done; there is nothing to resolve"));
-        }
-        FenceState::Started if holder_alive(tx, &f)? => {
-            return Err(invalid_fence(
-                id,
-                format!("a live attempt of job {:?} holds it", f.job_id),
-            ));
-        }
-        FenceState::Started | FenceState::Uncertain => {}
+    let (f, ask) = rules::resolvable(tx.fence(id)?, id)?;
+    if ask {
+        rules::moved_if_dead(&f, id, holder_alive(tx, &f)?)?;
     }
     match resolution {
         Resolution::Done => {

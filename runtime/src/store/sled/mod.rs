@@ -91,7 +91,7 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 
 use super::copy;
-use super::rules::{self, invalid_fence, visible_state};
+use super::rules::{self, visible_state};
 use super::writer::{Engine, GroupWriter};
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, PageBuilder,

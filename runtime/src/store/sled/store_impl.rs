@@ -2,7 +2,7 @@
 //! writer, reads through a consistent view of the trees.
 
 use super::*;
-use crate::store::{DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result};
+use crate::store::{Doc, DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result, Tombstone};
 
 pub(super) fn ids_from(
     values: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
@@ -98,12 +98,7 @@ impl Store for SledStore {
 
     async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
         self.read(move |t| {
-            let cursor: u64 = match &filter.cursor {
-                Some(s) => s
-                    .parse()
-                    .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
-                None => u64::MAX,
-            };
+            let cursor = filter.before()?;
             let stored = filter.state.map(|s| match s {
                 JobState::Delayed => JobState::Waiting,
                 s => s,
@@ -222,33 +217,18 @@ impl Store for SledStore {
         .await
     }
 
-    async fn index_upsert(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        document: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<UpsertOutcome, StoreError> {
-        let (lease, collection, id, document) = (
-            lease.clone(),
-            collection.to_owned(),
-            id.to_owned(),
-            document.to_owned(),
-        );
+    async fn index_upsert(&self, lease: &LeaseRef, doc: Doc, now: Millis) -> Result<UpsertOutcome> {
+        let (collection, id, version, document) =
+            (doc.collection, doc.id, doc.version, doc.document);
+        let lease = lease.clone();
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
             let current = index_read(tx, &collection, &id)?;
-            let outcome = match &current {
-                Some(d) if d.version > version => return Ok(UpsertOutcome::Stale),
-                Some(d) if d.version == version && d.document.is_some() => {
-                    return Ok(UpsertOutcome::Unchanged);
-                }
-                Some(d) if d.version == version => return Ok(UpsertOutcome::Stale),
-                Some(d) if d.document.is_some() => UpsertOutcome::Updated,
-                _ => UpsertOutcome::Inserted,
-            };
+            let stored = current.as_ref().map(|d| (d.document.is_some(), d.version));
+            let outcome = rules::upsert(stored, version);
+            if !matches!(outcome, UpsertOutcome::Inserted | UpsertOutcome::Updated) {
+                return Ok(outcome);
+            }
             let rec = DocRec {
                 version,
                 document: Some(document),
@@ -260,22 +240,15 @@ impl Store for SledStore {
         .await
     }
 
-    async fn index_remove(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
-        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+    async fn index_remove(&self, lease: &LeaseRef, tomb: Tombstone, now: Millis) -> Result<bool> {
+        let (collection, id, version) = (tomb.collection, tomb.id, tomb.version);
+        let lease = lease.clone();
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
             let current = index_read(tx, &collection, &id)?;
-            let removed = match &current {
-                Some(d) if d.version > version => return Ok(false),
-                Some(d) => d.document.is_some(),
-                None => false,
+            let stored = current.as_ref().map(|d| (d.document.is_some(), d.version));
+            let Some(removed) = rules::remove(stored, version) else {
+                return Ok(false);
             };
             let rec = DocRec {
                 version,

@@ -1,5 +1,5 @@
 use crate::store::PutMode;
-use crate::store::conformance::{LeaseUpTo, put};
+use crate::store::conformance::{LeaseUpTo, doc_at, put, tombstone};
 use std::sync::Arc;
 
 use super::SledStore;
@@ -150,8 +150,14 @@ async fn a_layout_1_ledger_is_migrated_when_it_opens() {
         s.kv_put(&l, put("ns", "k", b"value".to_vec(), PutMode::Replace), t0)
             .await
             .unwrap();
-        s.index_upsert(&l, "docs", "d", "{}", 1, t0).await.unwrap();
-        assert!(s.index_remove(&l, "docs", "d", 2, t0).await.unwrap());
+        s.index_upsert(&l, doc_at("docs", "d", 1, "{}"), t0)
+            .await
+            .unwrap();
+        assert!(
+            s.index_remove(&l, tombstone("docs", "d", 2), t0)
+                .await
+                .unwrap()
+        );
         let fail = Finish::Fail {
             outcome: AttemptOutcome::Failed,
             error: "x".into(),

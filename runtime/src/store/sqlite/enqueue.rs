@@ -21,7 +21,7 @@ pub(super) fn release_dedup(
 
 pub(super) fn enqueue_one(
     w: &mut Writer,
-    job: NewJob,
+    mut job: NewJob,
     index: usize,
     now: Millis,
 ) -> Result<Enqueued, StoreError> {
@@ -56,7 +56,10 @@ pub(super) fn enqueue_one(
             });
         }
     }
-    let id = job.id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+    let id = job
+        .id
+        .take()
+        .unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
     let seq = w.next_seq;
     w.next_seq += 1;
     conn.prepare_cached(
@@ -81,25 +84,5 @@ pub(super) fn enqueue_one(
         )?
         .execute(params![job.queue, key, id, hold_until])?;
     }
-    // The row just written, without reading it back.
-    Ok(Enqueued {
-        job: Job {
-            id,
-            queue: job.queue,
-            state: visible_state(JobState::Waiting, job.run_at, now),
-            payload: job.payload,
-            priority: job.priority,
-            attempt: 0,
-            budget_used: 0,
-            max_attempts: job.max_attempts,
-            dedup_key: job.dedup_key,
-            run_at: job.run_at,
-            enqueued_at: now,
-            finished_at: None,
-            result: None,
-            last_error: None,
-            attempts: Vec::new(),
-        },
-        deduplicated: false,
-    })
+    Ok(rules::created(id, job, now))
 }

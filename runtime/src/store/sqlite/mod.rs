@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::copy;
-use super::rules::{self, invalid_fence, stored_state, visible_state};
+use super::rules::{self, stored_state, visible_state};
 use super::writer::{Engine, GroupWriter};
 use super::{
     EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, PageBuilder,

@@ -2,7 +2,7 @@
 //! writer, reads through the reader pool.
 
 use super::*;
-use crate::store::{DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result};
+use crate::store::{Doc, DocId, FenceFilter, KvPut, LeaseAsk, Leased, PutMode, Result, Tombstone};
 
 #[async_trait]
 impl Store for SqliteStore {
@@ -83,12 +83,7 @@ impl Store for SqliteStore {
     async fn jobs(&self, filter: JobFilter, now: Millis) -> Result<JobPage, StoreError> {
         self.read(move |c| {
             let limit = filter.limit.clamp(1, 1000);
-            let cursor: i64 = match &filter.cursor {
-                Some(s) => s
-                    .parse()
-                    .map_err(|_| StoreError::NotFound(format!("cursor {s:?}")))?,
-                None => i64::MAX,
-            };
+            let cursor = i64::try_from(filter.before()?).unwrap_or(i64::MAX);
             let mut sql = format!("SELECT {JOB_COLUMNS}, seq FROM jobs WHERE seq < ?1");
             let mut args: Vec<rusqlite::types::Value> = vec![cursor.into()];
             if let Some(q) = &filter.queue {
@@ -222,31 +217,17 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn index_upsert(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        document: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<UpsertOutcome, StoreError> {
-        let (lease, collection, id, document) = (
-            lease.clone(),
-            collection.to_owned(),
-            id.to_owned(),
-            document.to_owned(),
-        );
+    async fn index_upsert(&self, lease: &LeaseRef, doc: Doc, now: Millis) -> Result<UpsertOutcome> {
+        let (collection, id, version, document) =
+            (doc.collection, doc.id, doc.version, doc.document);
+        let lease = lease.clone();
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
             let current = index_read(&w.conn, &collection, &id)?;
-            let outcome = match current {
-                Some((_, v)) if v > version => return Ok(UpsertOutcome::Stale),
-                Some((Some(_), v)) if v == version => return Ok(UpsertOutcome::Unchanged),
-                Some((None, v)) if v == version => return Ok(UpsertOutcome::Stale),
-                Some((Some(_), _)) => UpsertOutcome::Updated,
-                Some((None, _)) | None => UpsertOutcome::Inserted,
-            };
+            let outcome = rules::upsert(current.map(|(d, v)| (d.is_some(), v)), version);
+            if !matches!(outcome, UpsertOutcome::Inserted | UpsertOutcome::Updated) {
+                return Ok(outcome);
+            }
             w.conn
                 .prepare_cached(
                     "INSERT OR REPLACE INTO index_docs (collection, id, version, document, updated_at) \
@@ -258,22 +239,15 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn index_remove(
-        &self,
-        lease: &LeaseRef,
-        collection: &str,
-        id: &str,
-        version: u64,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
-        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+    async fn index_remove(&self, lease: &LeaseRef, tomb: Tombstone, now: Millis) -> Result<bool> {
+        let (collection, id, version) = (tomb.collection, tomb.id, tomb.version);
+        let lease = lease.clone();
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
             let current = index_read(&w.conn, &collection, &id)?;
-            let removed = match current {
-                Some((_, v)) if v > version => return Ok(false),
-                Some((doc, _)) => doc.is_some(),
-                None => false,
+            let Some(removed) = rules::remove(current.map(|(d, v)| (d.is_some(), v)), version)
+            else {
+                return Ok(false);
             };
             w.conn
                 .prepare_cached(
