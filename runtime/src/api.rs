@@ -482,19 +482,6 @@ fn enqueued_view(e: &Enqueued) -> EnqueuedView<'_> {
     }
 }
 
-fn record_enqueue(queue: &str, results: &[Enqueued]) {
-    let deduplicated = results.iter().filter(|r| r.deduplicated).count() as u64;
-    let enqueued = results.len() as u64 - deduplicated;
-    for (name, n) in [
-        ("khata_jobs_enqueued_total", enqueued),
-        ("khata_jobs_deduplicated_total", deduplicated),
-    ] {
-        if n > 0 {
-            metrics::counter!(name, "queue" => queue.to_owned()).increment(n);
-        }
-    }
-}
-
 /// The queue named in a path, or 404 `unknown_queue`.
 fn known_queue(state: &AppState, queue: &str) -> ApiResult<Arc<crate::queue::QueueRuntime>> {
     state.queues.get(queue).ok_or_else(|| {
@@ -520,9 +507,7 @@ async fn enqueue(
     let body: EnqueueBody = parse_body(&body)?;
     let now = state.queues.now();
     let job = new_job(&state, &queue, body, "", now)?;
-    let mut results = state.store.enqueue(vec![job], now).await?;
-    record_enqueue(&queue, &results);
-    state.queues.wake(&queue);
+    let mut results = state.queues.enqueue(&queue, vec![job], now).await?;
     let result = results.remove(0);
     let status = if result.deduplicated {
         StatusCode::OK
@@ -554,7 +539,7 @@ async fn enqueue_batch(
         .enumerate()
         .map(|(i, b)| new_job(&state, &queue, b, &format!("jobs[{i}]."), now))
         .collect::<ApiResult<Vec<_>>>()?;
-    let results = state.store.enqueue(jobs, now).await.map_err(|e| match e {
+    let results = state.queues.enqueue(&queue, jobs, now).await.map_err(|e| match e {
         StoreError::IdReused { ref id, index } => ApiError::new(
             StatusCode::CONFLICT,
             "id_reused",
@@ -562,8 +547,6 @@ async fn enqueue_batch(
         ),
         other => other.into(),
     })?;
-    record_enqueue(&queue, &results);
-    state.queues.wake(&queue);
     #[derive(Serialize)]
     struct Results<'a> {
         results: Vec<EnqueuedView<'a>>,

@@ -582,11 +582,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
             dispatching.store(false, Ordering::Relaxed);
         }
     });
-    let scheduler = tokio::spawn(Arc::clone(&schedules).run(
-        Arc::clone(&store),
-        Arc::clone(&queues),
-        shutdown.clone(),
-    ));
+    let scheduler = tokio::spawn(Arc::clone(&schedules).run(Arc::clone(&queues), shutdown.clone()));
     let api_shutdown = shutdown.clone();
     let server_limits = api::serve::Limits {
         header_timeout: config.daemon.header_timeout,

@@ -42,7 +42,7 @@ use crate::effects::email::Mailer;
 use crate::effects::http::Providers;
 use crate::effects::{Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, RunOutcome};
-use crate::job::{AttemptOutcome, Finish, Lease, LeaseRef, Millis};
+use crate::job::{AttemptOutcome, Enqueued, Finish, Lease, LeaseRef, Millis, NewJob};
 use crate::store::{Held, LeaseAsk, LeaseLimits, RateWindow, Store, StoreError};
 
 /// Most jobs leased in one store step.
@@ -485,6 +485,31 @@ impl Queues {
 
     pub fn completed(&self) -> u64 {
         self.completed.load(Ordering::Relaxed)
+    }
+
+    /// Enqueues `jobs` into `queue` (one store step, all or none), counts
+    /// them in `khata_jobs_enqueued_total` and `khata_jobs_deduplicated_total`,
+    /// and wakes the queue: what every producer (the API and schedules) does.
+    /// **Durable** when it returns, as [`Store::enqueue`].
+    pub async fn enqueue(
+        &self,
+        queue: &str,
+        jobs: Vec<NewJob>,
+        now: Millis,
+    ) -> Result<Vec<Enqueued>, StoreError> {
+        let results = self.store.enqueue(jobs, now).await?;
+        let deduplicated = results.iter().filter(|r| r.deduplicated).count() as u64;
+        let enqueued = results.len() as u64 - deduplicated;
+        for (name, n) in [
+            ("khata_jobs_enqueued_total", enqueued),
+            ("khata_jobs_deduplicated_total", deduplicated),
+        ] {
+            if n > 0 {
+                metrics::counter!(name, "queue" => queue.to_owned()).increment(n);
+            }
+        }
+        self.wake(queue);
+        Ok(results)
     }
 
     /// Tells a queue that a job may be ready; `*` tells every queue.

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{self, CatchUp, Config, parse_cron, parse_timezone};
 use crate::job::{Enqueued, Millis, NewJob, canonical_json};
 use crate::queue::Queues;
-use crate::store::{Store, StoreError};
+use crate::store::StoreError;
 
 /// Most missed fire times one schedule enqueues per tick under `catch_up = "all"`.
 pub const MAX_CATCH_UP: usize = 1_000;
@@ -251,16 +251,11 @@ impl Schedules {
     }
 
     /// Fires every schedule when due until `stop`.
-    pub async fn run(
-        self: Arc<Self>,
-        store: Arc<dyn Store>,
-        queues: Arc<Queues>,
-        stop: CancellationToken,
-    ) {
+    pub async fn run(self: Arc<Self>, queues: Arc<Queues>, stop: CancellationToken) {
         loop {
             let now = queues.now();
             for plan in self.plans().iter() {
-                self.fire_due(plan, &*store, &queues, now).await;
+                self.fire_due(plan, &queues, now).await;
             }
             tokio::select! {
                 () = tokio::time::sleep(self.sleep(queues.now())) => {}
@@ -349,8 +344,9 @@ impl Schedules {
     async fn enqueue_skipping_taken(
         &self,
         name: &str,
+        queue: &str,
         mut jobs: Vec<NewJob>,
-        store: &dyn Store,
+        queues: &Queues,
         now: Millis,
     ) -> Result<Vec<Enqueued>, StoreError> {
         loop {
@@ -362,7 +358,7 @@ impl Schedules {
             if let Some(cause) = fail::eval("schedule::enqueue", |a| a.unwrap_or_default()) {
                 return Err(StoreError::Unavailable(cause));
             }
-            match store.enqueue(jobs.clone(), now).await {
+            match queues.enqueue(queue, jobs.clone(), now).await {
                 Err(StoreError::IdReused { id, index }) if index < jobs.len() => {
                     tracing::error!(schedule = %name, job = %id, "fire time skipped: its job id is already taken by a job with another payload or queue");
                     jobs.remove(index);
@@ -372,7 +368,7 @@ impl Schedules {
         }
     }
 
-    async fn fire_due(&self, plan: &Plan, store: &dyn Store, queues: &Queues, now: Millis) {
+    async fn fire_due(&self, plan: &Plan, queues: &Queues, now: Millis) {
         let name = &plan.config.name;
         if self.backing_off(name) {
             return;
@@ -417,13 +413,15 @@ impl Schedules {
             })
             .collect();
         if !jobs.is_empty() {
-            match self.enqueue_skipping_taken(name, jobs, store, now).await {
+            match self
+                .enqueue_skipping_taken(name, &plan.config.queue, jobs, queues, now)
+                .await
+            {
                 Ok(enqueued) => {
                     for e in &enqueued {
                         tracing::info!(schedule = %name, job = %e.job.id, deduplicated = e.deduplicated, "schedule fired");
                     }
                     self.succeeded(name);
-                    queues.wake(&plan.config.queue);
                 }
                 Err(e) => {
                     // Left at the old mark: tried again after the backoff.
