@@ -536,7 +536,7 @@ pub trait Store: Send + Sync + 'static {
     /// An operator resolves an uncertain fence (or one started by a dead
     /// attempt). `NotFound` when there is no such fence, `InvalidFence` when
     /// it is done or held by a live attempt. **Durable.**
-    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()>;
+    async fn fence_resolve(&self, id: &FenceId, resolution: Resolution, now: Millis) -> Result<()>;
     /// Fences for operators, most recently changed first. Committed state.
     async fn fences(&self, filter: &FenceFilter) -> Result<Vec<Fence>>;
     /// Records an effect on its attempt. **Applied.**

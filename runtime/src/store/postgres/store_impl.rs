@@ -479,8 +479,7 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()> {
-        let resolution = to;
+    async fn fence_resolve(&self, id: &FenceId, resolution: Resolution, now: Millis) -> Result<()> {
         step!(self, Mode::Write, |tx| fence_resolve_step(
             &tx, id, resolution, now
         )

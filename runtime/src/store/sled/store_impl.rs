@@ -262,18 +262,16 @@ impl Store for SledStore {
     }
 
     async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>> {
-        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
-        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+        let (lease, doc) = (lease.clone(), doc.clone());
         self.write(false, move |tx| {
             check_lease(tx, &lease)?;
-            Ok(index_read(tx, &collection, &id)?.and_then(|d| d.document))
+            Ok(index_read(tx, &doc.collection, &doc.id)?.and_then(|d| d.document))
         })
         .await
     }
 
     async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>> {
-        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
-        let key = strs(&[collection, id]);
+        let key = strs(&[&doc.collection, &doc.id]);
         self.read(move |t| {
             let d: Option<DocRec> = t.get_rec(INDEX, &key)?;
             Ok(d.and_then(|d| d.document.map(|doc| (doc, d.version))))
@@ -342,8 +340,7 @@ impl Store for SledStore {
         .await
     }
 
-    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()> {
-        let resolution = to;
+    async fn fence_resolve(&self, id: &FenceId, resolution: Resolution, now: Millis) -> Result<()> {
         let id = id.clone();
         self.write(true, move |tx| fence_resolve_step(tx, &id, resolution, now))
             .await

@@ -261,21 +261,19 @@ impl Store for SqliteStore {
     }
 
     async fn index_get_leased(&self, lease: &LeaseRef, doc: &DocId) -> Result<Option<String>> {
-        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
-        let (lease, collection, id) = (lease.clone(), collection.to_owned(), id.to_owned());
+        let (lease, doc) = (lease.clone(), doc.clone());
         self.write(false, move |w| {
             check_lease(&w.conn, &lease)?;
-            Ok(index_read(&w.conn, &collection, &id)?.and_then(|(d, _)| d))
+            Ok(index_read(&w.conn, &doc.collection, &doc.id)?.and_then(|(d, _)| d))
         })
         .await
     }
 
     async fn index_get(&self, doc: &DocId) -> Result<Option<(String, u64)>> {
-        let (collection, id) = (doc.collection.as_str(), doc.id.as_str());
-        let (collection, id) = (collection.to_owned(), id.to_owned());
-        self.read(
-            move |c| Ok(index_read(c, &collection, &id)?.and_then(|(d, v)| d.map(|d| (d, v)))),
-        )
+        let doc = doc.clone();
+        self.read(move |c| {
+            Ok(index_read(c, &doc.collection, &doc.id)?.and_then(|(d, v)| d.map(|d| (d, v))))
+        })
         .await
     }
 
@@ -336,8 +334,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn fence_resolve(&self, id: &FenceId, to: Resolution, now: Millis) -> Result<()> {
-        let resolution = to;
+    async fn fence_resolve(&self, id: &FenceId, resolution: Resolution, now: Millis) -> Result<()> {
         let id = id.clone();
         self.write(true, move |w| {
             fence_resolve_step(&w.conn, &id, resolution, now)
