@@ -18,6 +18,7 @@
 
 pub mod conformance;
 pub mod copy;
+mod embedded;
 pub mod postgres;
 pub mod rules;
 pub mod sled;

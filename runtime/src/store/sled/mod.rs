@@ -85,7 +85,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sled::Transactional;
@@ -94,8 +93,8 @@ use super::copy;
 use super::rules::{self, visible_state};
 use super::writer::{Engine, GroupWriter};
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, PageBuilder,
-    RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
+    EffectRecord, Fence, FenceId, FenceState, JobFilter, JobPage, PageBuilder, RetentionRules,
+    StoreError, Swept,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -164,7 +163,7 @@ fn sled_err(e: sled::Error) -> StoreError {
 
 // ---- the writer ----
 
-struct Writer {
+pub(in crate::store) struct Writer {
     trees: Arc<Trees>,
     next_token: u64,
     next_seq: u64,
@@ -399,28 +398,6 @@ impl SledStore {
     pub fn path(&self) -> &Path {
         &self.path
     }
-
-    /// Runs `f` on the writer as one transaction; answers after the flush
-    /// and fdatasync when `durable`, else once applied.
-    async fn write<T, F>(&self, durable: bool, f: F) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Tx) -> Result<T, StoreError> + Send + 'static,
-    {
-        self.writer.write(durable, move |w| w.run(f)).await
-    }
-
-    /// Runs `f` on the trees on the blocking pool.
-    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Trees) -> Result<T, StoreError> + Send + 'static,
-    {
-        let trees = Arc::clone(&self.trees);
-        tokio::task::spawn_blocking(move || f(&trees))
-            .await
-            .map_err(unavailable)?
-    }
 }
 
 // ---- steps ----
@@ -451,19 +428,18 @@ fn release_dedup(tx: &mut Tx, job: &JobRec, now: Millis) -> Result<(), StoreErro
 
 mod enqueue;
 mod export;
-mod fences;
 mod finish;
 mod keys;
 mod layout;
 mod lease;
+mod ledger;
+mod reads;
 mod records;
-mod store_impl;
 mod sweep;
 mod trees;
 
 use self::enqueue::*;
 use self::export::*;
-use self::fences::*;
 use self::finish::*;
 use self::keys::*;
 use self::layout::*;

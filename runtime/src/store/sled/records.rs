@@ -107,7 +107,7 @@ pub(super) struct DedupRec {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(super) struct DocRec {
+pub(in crate::store) struct DocRec {
     pub(super) version: u64,
     pub(super) document: Option<String>,
     pub(super) updated_at: Millis,

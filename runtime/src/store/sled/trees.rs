@@ -4,7 +4,7 @@
 
 use super::*;
 
-pub(super) struct Trees {
+pub(in crate::store) struct Trees {
     pub(super) db: sled::Db,
     pub(super) t: Vec<sled::Tree>,
 }
@@ -88,7 +88,7 @@ impl Trees {
 /// succeeds. Point reads see the step's own writes first. Range scans read
 /// the trees (every earlier step, not this one's writes): a step never scans
 /// a range it has written.
-pub(super) struct Tx {
+pub(in crate::store) struct Tx {
     pub(super) trees: Arc<Trees>,
     pub(super) writes: BTreeMap<(usize, Vec<u8>), Option<Vec<u8>>>,
     pub(super) next_token: u64,

@@ -21,15 +21,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::copy;
 use super::rules::{self, stored_state, visible_state};
 use super::writer::{Engine, GroupWriter};
 use super::{
-    EffectRecord, Fence, FenceBegin, FenceId, FenceState, JobFilter, JobPage, PageBuilder,
-    RESOLVED_BY_OPERATOR, Resolution, RetentionRules, Store, StoreError, Swept, UpsertOutcome,
+    EffectRecord, Fence, FenceId, FenceState, JobFilter, JobPage, PageBuilder, RetentionRules,
+    StoreError, Swept,
 };
 use crate::job::{
     Attempt, AttemptOutcome, Enqueued, Finish, Job, JobState, Lease, LeaseRef, Millis, NewJob,
@@ -41,7 +40,7 @@ const READERS: usize = 4;
 
 /// The writer thread's state: the writing connection and the counters it
 /// issues from (written into the group that issued them).
-struct Writer {
+pub(in crate::store) struct Writer {
     conn: Connection,
     next_token: u64,
     next_seq: i64,
@@ -79,7 +78,7 @@ impl Engine for Writer {
 /// A SQLite ledger in one file.
 pub struct SqliteStore {
     writer: GroupWriter<Writer>,
-    readers: Arc<Mutex<Vec<Connection>>>,
+    readers: Readers,
     path: PathBuf,
     _lock: File,
 }
@@ -149,7 +148,10 @@ impl SqliteStore {
         };
         Ok(SqliteStore {
             writer: GroupWriter::start(writer)?,
-            readers: Arc::new(Mutex::new(readers)),
+            readers: Readers {
+                pool: Arc::new(Mutex::new(readers)),
+                path: path.clone(),
+            },
             path,
             _lock: lock,
         })
@@ -158,48 +160,6 @@ impl SqliteStore {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// Runs `f` on the writer inside a savepoint; answers after the commit
-    /// when `durable`, else once applied.
-    async fn write<T, F>(&self, durable: bool, f: F) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
-    {
-        self.writer
-            .write(durable, move |w| in_savepoint(w, f))
-            .await
-    }
-
-    /// Runs `f` on a reader connection on the blocking pool.
-    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
-    {
-        let readers = Arc::clone(&self.readers);
-        let path = self.path.clone();
-        tokio::task::spawn_blocking(move || {
-            let conn = readers.lock().ok().and_then(|mut v| v.pop());
-            let conn = match conn {
-                Some(c) => c,
-                None => {
-                    let c = open_conn(&path)?;
-                    c.pragma_update(None, "query_only", true)?;
-                    c
-                }
-            };
-            let out = f(&conn);
-            if let Ok(mut v) = readers.lock()
-                && v.len() < READERS
-            {
-                v.push(conn);
-            }
-            out
-        })
-        .await
-        .map_err(unavailable)?
     }
 }
 
@@ -378,8 +338,9 @@ mod fences;
 mod finish;
 mod kv_index;
 mod lease;
+mod ledger;
+mod reads;
 mod schema;
-mod store_impl;
 mod sweep;
 
 use self::enqueue::*;
@@ -388,6 +349,7 @@ use self::fences::*;
 use self::finish::*;
 use self::kv_index::*;
 use self::lease::*;
+use self::reads::Readers;
 pub use self::schema::*;
 use self::sweep::*;
 
