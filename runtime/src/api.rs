@@ -761,15 +761,12 @@ async fn resolve_fence(
 ) -> ApiResult<Json<Value>> {
     let body = read_body(&headers, body, SMALL_BODY, "a fence resolution").await?;
     let body: ResolveBody = parse_body(&body)?;
-    let resolution = match body.outcome.as_str() {
-        "done" => Resolution::Done,
-        "not-done" => Resolution::NotDone,
-        other => {
-            return Err(ApiError::bad_request(format!(
-                "outcome: {other:?} is neither \"done\" nor \"not-done\""
-            )));
-        }
-    };
+    let resolution = Resolution::parse(&body.outcome).ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "outcome: {:?} is neither \"done\" nor \"not-done\"",
+            body.outcome
+        ))
+    })?;
     let id = FenceId {
         namespace: body.namespace,
         kind: body.kind,

@@ -27,13 +27,14 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, AppState};
+use crate::clock::{self, Clock};
 use crate::config::{Backend, Config};
 use crate::effects::email::Mailer;
 use crate::effects::http::Providers;
 use crate::host::{Host, PoolSize};
 use crate::job::Millis;
 use crate::plugins::{Loader, ScanKind, Watch, check_grants, plugin_path};
-use crate::queue::{Clock, Outside, Queues, Reconfigured, Stop};
+use crate::queue::{Outside, Queues, Reconfigured, Stop};
 use crate::schedule::Schedules;
 use crate::store::postgres::PostgresStore;
 use crate::store::sled::SledStore;
@@ -488,7 +489,7 @@ pub fn store_copy(from: &LedgerAt, to: &LedgerAt, page: u32) -> anyhow::Result<(
 /// Builds the email transport and HTTP providers. A bad provider stops the
 /// start; an email transport that cannot be set up only fails the queues
 /// that send email.
-fn outside(config: &Config) -> anyhow::Result<Outside> {
+fn outside(config: &Config, clock: Arc<dyn Clock>) -> anyhow::Result<Outside> {
     let providers = Providers::from_config(&config.http)
         .map_err(|e| anyhow::anyhow!("{}: {e}", config.path.display()))?;
     let mailer = Mailer::from_config(&config.email, &config.daemon.data_dir).map(Arc::new);
@@ -499,13 +500,15 @@ fn outside(config: &Config) -> anyhow::Result<Outside> {
         mailer,
         providers: Arc::new(providers),
         email_from: config.email.from.clone(),
+        clock,
     })
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
     let data_dir = &config.daemon.data_dir;
     let store = open_store(&config).await?;
-    let recovered = store.recover(Millis::now()).await?;
+    let clock = clock::daemon();
+    let recovered = store.recover(clock.now()).await?;
     if recovered > 0 {
         tracing::warn!(
             jobs = recovered,
@@ -516,12 +519,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
         &pool_size(&config),
         Some(&data_dir.join(CODE_CACHE)),
     )?);
-    let outside = outside(&config)?;
+    let outside = outside(&config, Arc::clone(&clock))?;
     let wakeups = store.wakeups();
     let mut queues = Queues::new(
         Arc::clone(&store),
         Arc::clone(&host),
-        clock(),
         config.queues.values().cloned(),
         &outside,
     );
@@ -612,6 +614,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tokio::spawn(watchdog(
             period,
             Arc::clone(&store),
+            Arc::clone(&clock),
             dispatching,
             shutdown.clone(),
         ))
@@ -698,6 +701,7 @@ fn notify_systemd(state: &[sd_notify::NotifyState<'_>]) {
 async fn watchdog(
     period: Duration,
     store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
     dispatching: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) {
@@ -709,7 +713,7 @@ async fn watchdog(
             _ = tick.tick() => {}
         }
         let store_ok = matches!(
-            tokio::time::timeout(half, store.counts(Millis::now())).await,
+            tokio::time::timeout(half, store.counts(clock.now())).await,
             Ok(Ok(_))
         );
         if store_ok && dispatching.load(Ordering::Relaxed) {
@@ -758,6 +762,7 @@ async fn leases(
     }
     let reclaimer = {
         let store = Arc::clone(&store);
+        let queues = Arc::clone(&queues);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(heartbeat);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -765,7 +770,7 @@ async fn leases(
             loop {
                 tick.tick().await;
                 loop {
-                    let reclaimed = store.reclaim_expired(Millis::now()).await;
+                    let reclaimed = store.reclaim_expired(queues.now()).await;
                     outage.saw(reclaimed.as_ref().err());
                     match reclaimed {
                         Ok(0) => break,
@@ -905,7 +910,7 @@ async fn sweep(run: &Running) -> Duration {
             .map(|(ns, window)| (ns.clone(), *window))
             .collect(),
     };
-    match run.store.sweep(Millis::now(), &rules, SWEEP_LIMIT).await {
+    match run.store.sweep(run.queues.now(), &rules, SWEEP_LIMIT).await {
         Ok(s) => {
             let kinds = s.kinds();
             for (kind, n) in kinds {
@@ -978,7 +983,7 @@ async fn background(
             _ = progress_tick.tick() => {
                 let done = run.queues.completed();
                 if done != last_completed {
-                    let waiting: u64 = run.store.counts(Millis::now()).await.map(|c| c.iter().map(|(_, c)| c.waiting + c.delayed).sum()).unwrap_or(0);
+                    let waiting: u64 = run.store.counts(run.queues.now()).await.map(|c| c.iter().map(|(_, c)| c.waiting + c.delayed).sum()).unwrap_or(0);
                     tracing::info!(completed = done, per_second = (done - last_completed) / 5, waiting, "progress");
                     last_completed = done;
                 }
@@ -1026,7 +1031,7 @@ fn reload(run: &mut Running) -> Result<Reconfigured, String> {
     let plans = Schedules::plans_of(&new).map_err(|e| format!("{path}: schedules: {e}"))?;
     let old = &run.config;
     let outside_now = if new.email != old.email || new.http != old.http {
-        Some(outside(&new).map_err(|e| e.to_string())?)
+        Some(outside(&new, Arc::clone(&run.outside.clock)).map_err(|e| e.to_string())?)
     } else {
         None
     };
@@ -1086,11 +1091,21 @@ fn reload(run: &mut Running) -> Result<Reconfigured, String> {
     Ok(done)
 }
 
-/// The system clock; in `failpoints` builds one that tests can move forward
-/// (`POST /v1/test/clock`).
-fn clock() -> Arc<dyn Clock> {
-    #[cfg(feature = "failpoints")]
-    return Arc::new(crate::queue::MovableClock::default());
-    #[cfg(not(feature = "failpoints"))]
-    Arc::new(crate::queue::SystemClock)
+#[cfg(test)]
+mod tests {
+    use super::pool_size;
+    use crate::config::Config;
+
+    /// Every queue's `concurrency` is reserved in the pool, twice over (a
+    /// plugin check and the next version during a swap), with room for 16
+    /// more: one queue whose attempts all run holds its own share only.
+    #[test]
+    fn the_pool_reserves_every_queues_concurrency() {
+        let text = "[queues.hog]\nplugin = \"hog\"\nconcurrency = 40\nmemory = \"256MiB\"\n\n\
+                    [queues.echo]\nplugin = \"echo\"\nconcurrency = 2\n";
+        let config = Config::parse(text, std::path::Path::new("jobs.toml")).unwrap();
+        let pool = pool_size(&config);
+        assert_eq!(pool.instances, 2 * (40 + 2) + 16);
+        assert_eq!(pool.max_memory, 256 << 20);
+    }
 }

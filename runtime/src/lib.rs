@@ -27,6 +27,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod effects;

@@ -30,13 +30,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::clock::Clock;
 use crate::config;
 use crate::effects::email::Mailer;
 use crate::effects::http::Providers;
@@ -54,49 +55,6 @@ const MIN_WAIT: Duration = Duration::from_millis(20);
 /// Log bytes and lines kept per attempt.
 const LOG_BUDGET: usize = 64 * 1024;
 const LOG_LINES: usize = 1024;
-
-/// The source of time for the queue.
-pub trait Clock: Send + Sync + 'static {
-    fn now(&self) -> Millis;
-
-    /// Moves the clock forward; false for a clock that cannot be moved.
-    fn advance(&self, by: Duration) -> bool {
-        let _ = by;
-        false
-    }
-}
-
-/// The system's wall clock.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> Millis {
-        Millis::from(SystemTime::now())
-    }
-}
-
-/// The wall clock plus an offset that only moves forward: the daemon's clock
-/// in builds with the `failpoints` feature, so that tests can let a backoff
-/// or a delay elapse without waiting for it.
-#[derive(Debug, Default)]
-pub struct MovableClock {
-    offset_ms: AtomicU64,
-}
-
-impl Clock for MovableClock {
-    fn now(&self) -> Millis {
-        SystemClock.now().plus(Duration::from_millis(
-            self.offset_ms.load(Ordering::Relaxed),
-        ))
-    }
-
-    fn advance(&self, by: Duration) -> bool {
-        let ms = u64::try_from(by.as_millis()).unwrap_or(u64::MAX);
-        self.offset_ms.fetch_add(ms, Ordering::Relaxed);
-        true
-    }
-}
 
 /// The plugin a queue runs, or why it has none.
 #[derive(Clone, Debug, Default)]
@@ -124,6 +82,7 @@ impl Settings {
                 mailer: outside.mailer.clone(),
                 providers: Arc::clone(&outside.providers),
                 email_from: outside.email_from.clone(),
+                clock: Arc::clone(&outside.clock),
             }),
             config: Arc::new(q),
         }
@@ -325,6 +284,8 @@ pub struct Outside {
     pub providers: Arc<Providers>,
     /// The From address of messages that name none.
     pub email_from: String,
+    /// The daemon's time, for the queues and their effects alike.
+    pub clock: Arc<dyn Clock>,
 }
 
 /// Every queue of the daemon, and what their attempts share.
@@ -373,7 +334,6 @@ impl Queues {
     pub fn new(
         store: Arc<dyn Store>,
         host: Arc<Host>,
-        clock: Arc<dyn Clock>,
         configs: impl IntoIterator<Item = config::Queue>,
         outside: &Outside,
     ) -> Queues {
@@ -385,7 +345,7 @@ impl Queues {
         Queues {
             store,
             host,
-            clock,
+            clock: Arc::clone(&outside.clock),
             queues: RwLock::new(queues),
             added_tx,
             added_rx: Mutex::new(Some(added_rx)),
@@ -774,7 +734,6 @@ impl Queues {
             );
         }
         let effects = Effects::new(Arc::clone(&self.store), scope, lease.fence());
-        let dead_letter = effects.dead_letter_flag();
         let input = JobInput {
             id: lease.job_id.clone(),
             queue: lease.queue.clone(),
@@ -807,14 +766,7 @@ impl Queues {
             running.remove(&lease.job_id);
         }
         let now = self.clock.now();
-        let dead_letter = dead_letter.lock().ok().and_then(|mut d| d.take());
         let finish = match ended {
-            // An effect's unknown outcome under `on_uncertain = "dead"` ends
-            // the job for a person to look at, whatever the handler did next.
-            Ended::Ran(_) if dead_letter.is_some() => Finish::Fail {
-                outcome: AttemptOutcome::Failed,
-                error: dead_letter.unwrap_or_default(),
-            },
             Ended::Ran(RunOutcome::Ok(result)) => Finish::Completed { result },
             Ended::Ran(RunOutcome::Retry(error)) => {
                 self.retry(cfg, &lease, AttemptOutcome::Retry, error, now)
@@ -931,6 +883,7 @@ mod tests {
             mailer: Err("no email here".into()),
             providers: Arc::new(Providers::from_config(&Default::default()).expect("providers")),
             email_from: "khata@localhost".into(),
+            clock: Arc::new(crate::clock::SystemClock),
         };
         QueueRuntime::new(config.queues["q"].clone(), &outside)
     }

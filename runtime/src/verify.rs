@@ -33,6 +33,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::Notify;
 
+use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Grants, OnUncertain};
 use crate::effects::http::Providers;
 use crate::effects::recorded::{Point, Recorder, Step};
@@ -372,7 +373,7 @@ impl Bench {
                     plugin_version: &self.plugin.version,
                     limits: LeaseLimits::default(),
                 },
-                Millis::now(),
+                self.scope.clock.now(),
             )
             .await?
             .leases
@@ -428,7 +429,7 @@ impl Bench {
                 };
                 ledger
                     .store
-                    .finish(&lease.fence(), finish, Millis::now())
+                    .finish(&lease.fence(), finish, self.scope.clock.now())
                     .await?;
                 outcome
             }
@@ -541,6 +542,7 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
         mailer: Err("khata verify records email instead of sending it".into()),
         providers: Arc::new(providers),
         email_from,
+        clock: Arc::new(SystemClock),
     });
     let root = tempfile::Builder::new()
         .prefix("khata-verify-")
@@ -552,7 +554,7 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
         scope,
         limits,
         payload: options.payload.to_string(),
-        enqueued_at: Millis::now(),
+        enqueued_at: SystemClock.now(),
         grants_everything,
         root,
         ledgers: 0,
@@ -583,7 +585,7 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
             let ledger = bench.ledger().await?;
             let first = bench.attempt("cut", &ledger, Some(cut)).await?;
             let second = if first.outcome == Outcome::Cut {
-                ledger.store.recover(Millis::now()).await?;
+                ledger.store.recover(bench.scope.clock.now()).await?;
                 Some(bench.attempt("redelivery", &ledger, None).await?)
             } else {
                 None

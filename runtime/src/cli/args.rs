@@ -374,80 +374,63 @@ pub enum FenceCommand {
         /// The effect's idempotency key
         key: String,
         /// What happened to the effect
-        outcome: FenceOutcome,
+        outcome: Resolution,
     },
 }
 
-/// A job's state (docs/jobs.md#states).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum JobState {
-    /// Ready to run.
-    Waiting,
-    /// Waiting for its run time (including backoff).
-    Delayed,
-    /// Leased to an attempt.
-    Active,
-    /// Done, with a result.
-    Completed,
-    /// In the dead-letter queue.
-    Dead,
-    /// Cancelled.
-    Cancelled,
-}
+// The states and resolutions the command line takes are the daemon's own
+// types; only their help text is the command line's.
 
-impl JobState {
-    /// The state's name in the API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Waiting => "waiting",
-            JobState::Delayed => "delayed",
-            JobState::Active => "active",
-            JobState::Completed => "completed",
-            JobState::Dead => "dead",
-            JobState::Cancelled => "cancelled",
-        }
+impl ValueEnum for JobState {
+    fn value_variants<'a>() -> &'a [JobState] {
+        &JobState::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        let help = match self {
+            JobState::Waiting => "Ready to run",
+            JobState::Delayed => "Waiting for its run time (including backoff)",
+            JobState::Active => "Leased to an attempt",
+            JobState::Completed => "Done, with a result",
+            JobState::Dead => "In the dead-letter queue",
+            JobState::Cancelled => "Cancelled",
+        };
+        Some(PossibleValue::new(self.as_str()).help(help))
     }
 }
 
-/// A fence's state (docs/fences.md#fence-states).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum FenceState {
-    /// The effect was started and has not been recorded done.
-    Started,
-    /// The effect happened; its result is recorded.
-    Done,
-    /// Nobody knows whether the effect happened: an operator decides.
-    Uncertain,
-}
+impl ValueEnum for FenceState {
+    fn value_variants<'a>() -> &'a [FenceState] {
+        &FenceState::ALL
+    }
 
-impl FenceState {
-    /// The state's name in the API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FenceState::Started => "started",
-            FenceState::Done => "done",
-            FenceState::Uncertain => "uncertain",
-        }
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        let help = match self {
+            FenceState::Started => "The effect was started and has not been recorded done",
+            FenceState::Done => "The effect happened; its result is recorded",
+            FenceState::Uncertain => {
+                "Nobody knows whether the effect happened: an operator decides"
+            }
+        };
+        Some(PossibleValue::new(self.as_str()).help(help))
     }
 }
 
-/// How an operator resolves a fence.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum FenceOutcome {
-    /// The effect happened: record it done, so it is never performed again.
-    Done,
-    /// The effect did not happen: release the fence, so a retry performs it.
-    NotDone,
-}
+impl ValueEnum for Resolution {
+    fn value_variants<'a>() -> &'a [Resolution] {
+        &Resolution::ALL
+    }
 
-impl FenceOutcome {
-    /// The outcome's name in the API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FenceOutcome::Done => "done",
-            FenceOutcome::NotDone => "not-done",
-        }
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        let help = match self {
+            Resolution::Done => {
+                "The effect happened: record it done, so it is never performed again"
+            }
+            Resolution::NotDone => {
+                "The effect did not happen: release the fence, so a retry performs it"
+            }
+        };
+        Some(PossibleValue::new(self.as_str()).help(help))
     }
 }
 

@@ -365,13 +365,13 @@ impl Client {
         namespace: &str,
         kind: &str,
         key: &str,
-        outcome: FenceOutcome,
+        outcome: Resolution,
     ) -> Result<Value, ClientError> {
         let body = serde_json::json!({
             "namespace": namespace,
             "kind": kind,
             "key": key,
-            "outcome": outcome,
+            "outcome": outcome.as_str(),
         });
         self.call(Method::POST, &["v1", "fences", "resolve"], |r| {
             r.json(&body)

@@ -21,10 +21,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use clap::builder::PossibleValue;
 use clap::{Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
 use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::job::JobState;
+use crate::store::{FenceState, Resolution};
 
 /// The configuration file read when `-c/--config` is not given.
 pub const DEFAULT_CONFIG: &str = "jobs.toml";

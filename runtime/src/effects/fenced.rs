@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 use super::recorded::Point;
 use super::{EffectError, Effects};
 use crate::config::OnUncertain;
-use crate::job::Millis;
+
 use crate::store::{FenceBegin, FenceId, StoreError};
 
 /// Most times one call performs an effect whose outcomes stay unknown.
@@ -156,7 +156,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
         self.step(Point::BeforeStarted).await;
         let begun = fx
             .store
-            .fence_begin(&fx.lease, &self.id, &self.fingerprint, Millis::now())
+            .fence_begin(&fx.lease, &self.id, &self.fingerprint, fx.now())
             .await
             .map_err(store_error);
         match begun {
@@ -208,7 +208,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
             Tried::Done(result) => {
                 self.step(Point::Started).await;
                 fx.store
-                    .fence_done(&fx.lease, &self.id, result.clone(), Millis::now())
+                    .fence_done(&fx.lease, &self.id, result.clone(), fx.now())
                     .await
                     .map_err(store_error)?;
                 self.record("performed").await;
@@ -249,7 +249,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
     /// provider, then decide by its nature and the queue's policy.
     async fn resolve_unknown(&self, performs: u32) -> Result<Answer, EffectError> {
         let fx = self.effects;
-        let now = Millis::now();
+        let now = fx.now();
         match self.effect.reconcile(fx.lease.token).await {
             Reconciled::Happened(result) => {
                 fx.store
@@ -280,7 +280,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
             OnUncertain::Skip => self.mark_uncertain().await,
             OnUncertain::Dead => {
                 let e = self.mark_uncertain().await;
-                fx.dead_letter(format!(
+                fx.ask_dead_letter(format!(
                     "the outcome of effect {} is unknown and the queue's on_uncertain policy is `dead`",
                     self.name()
                 ));
@@ -301,7 +301,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
                 .await;
         }
         fx.store
-            .fence_take_over(&fx.lease, &self.id, Millis::now())
+            .fence_take_over(&fx.lease, &self.id, fx.now())
             .await
             .map_err(store_error)?;
         Box::pin(self.perform(performs + 1)).await
@@ -310,7 +310,7 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
     async fn mark_uncertain(&self) -> Result<Answer, EffectError> {
         let fx = self.effects;
         fx.store
-            .fence_uncertain(&fx.lease, &self.id, Millis::now())
+            .fence_uncertain(&fx.lease, &self.id, fx.now())
             .await
             .map_err(store_error)?;
         metrics::counter!("khata_fences_uncertain_total", "kind" => self.id.kind.clone())

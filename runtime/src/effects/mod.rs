@@ -20,8 +20,9 @@ pub mod fenced;
 pub mod http;
 pub mod recorded;
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 
+use crate::clock::Clock;
 use crate::config::{Grants, OnUncertain};
 use crate::job::{LeaseRef, Millis};
 use crate::store::RESOLVED_BY_OPERATOR;
@@ -103,6 +104,8 @@ pub struct Scope {
     pub providers: Arc<Providers>,
     /// The From address used when a message names none.
     pub email_from: String,
+    /// The daemon's time: the dates of fences and effect records.
+    pub clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for Scope {
@@ -113,11 +116,6 @@ impl std::fmt::Debug for Scope {
     }
 }
 
-/// Set by an effect whose outcome is unknown under `on_uncertain = "dead"`:
-/// the attempt then ends its job in the dead-letter queue, whatever the
-/// handler returns.
-pub type DeadLetter = Arc<Mutex<Option<String>>>;
-
 /// The effects of one attempt.
 pub struct Effects {
     store: Arc<dyn Store>,
@@ -127,7 +125,10 @@ pub struct Effects {
     grants: Grants,
     on_uncertain: OnUncertain,
     lease: LeaseRef,
-    dead: DeadLetter,
+    /// Set by an effect whose outcome is unknown under `on_uncertain =
+    /// "dead"` (the first such effect's reason is kept): the attempt then
+    /// ends its job in the dead-letter queue, whatever the handler returns.
+    dead: OnceLock<String>,
     /// Refused effect calls of this attempt so far.
     refusals: std::sync::atomic::AtomicU32,
     /// Set only by [`Effects::recorded`] (`khata verify`): external effects
@@ -178,7 +179,7 @@ impl Effects {
             on_uncertain: scope.on_uncertain,
             scope,
             lease,
-            dead: DeadLetter::default(),
+            dead: OnceLock::new(),
             refusals: std::sync::atomic::AtomicU32::new(0),
             recorder: None,
         }
@@ -250,9 +251,10 @@ impl Effects {
         Ok(result)
     }
 
-    /// The flag an effect sets to dead-letter the job (see [`DeadLetter`]).
-    pub fn dead_letter_flag(&self) -> DeadLetter {
-        Arc::clone(&self.dead)
+    /// Why an effect of this attempt asked for its job to be dead-lettered,
+    /// if one did (see the `dead` field).
+    pub fn dead_letter(&self) -> Option<&str> {
+        self.dead.get().map(String::as_str)
     }
 
     /// Records an external effect on the attempt (`performed`, `replayed`,
@@ -268,7 +270,7 @@ impl Effects {
             kind: kind.to_owned(),
             key: key.to_owned(),
             outcome: outcome.to_owned(),
-            at: Millis::now(),
+            at: self.now(),
         };
         if let Err(e) = self.store.record_effect(&self.lease.job_id, record).await {
             tracing::warn!(error = %e, "could not record an effect on its attempt");
@@ -305,10 +307,14 @@ impl Effects {
         e
     }
 
-    fn dead_letter(&self, reason: String) {
-        if let Ok(mut d) = self.dead.lock() {
-            d.get_or_insert(reason);
-        }
+    /// Asks for the job to be dead-lettered; the first reason given stays.
+    fn ask_dead_letter(&self, reason: String) {
+        let _ = self.dead.set(reason);
+    }
+
+    /// Now, on the daemon's clock.
+    fn now(&self) -> Millis {
+        self.scope.clock.now()
     }
 
     pub fn lease(&self) -> &LeaseRef {
@@ -360,7 +366,7 @@ impl Effects {
                     value,
                     mode: PutMode::Replace,
                 },
-                Millis::now(),
+                self.now(),
             ),
         )
         .await
@@ -388,7 +394,7 @@ impl Effects {
                     value,
                     mode: PutMode::IfAbsent,
                 },
-                Millis::now(),
+                self.now(),
             ),
         )
         .await
@@ -431,7 +437,7 @@ impl Effects {
                     version,
                     document: document.to_owned(),
                 },
-                Millis::now(),
+                self.now(),
             ),
         )
         .await
@@ -458,7 +464,7 @@ impl Effects {
                     id: id.to_owned(),
                     version,
                 },
-                Millis::now(),
+                self.now(),
             ),
         )
         .await

@@ -166,7 +166,8 @@ pub enum RunOutcome {
     Ok(String),
     /// The handler asked to retry.
     Retry(String),
-    /// The handler failed permanently.
+    /// The handler failed permanently, or one of its effects asked for the
+    /// job to be dead-lettered (`on_uncertain = "dead"`).
     Fail(String),
     /// The guest trapped or broke a limit other than time.
     Trap(String),
@@ -486,6 +487,13 @@ impl Host {
                 other => other,
             },
         };
+        // An effect whose outcome is unknown under `on_uncertain = "dead"`
+        // ends the attempt for a person to look at, whatever the handler
+        // did next.
+        let outcome = match store.data().effects.dead_letter() {
+            Some(reason) => RunOutcome::Fail(reason.to_owned()),
+            None => outcome,
+        };
         let log = &store.data().log;
         if log.truncated {
             tracing::warn!(
@@ -596,7 +604,79 @@ fn log_stdio(job_id: &str, attempt: u32, plugin: &str, stream: &str, capture: &C
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_REASON, guest_text};
+    use super::limits::{self, AttemptLimits};
+    use super::{Host, MAX_REASON, PoolSize, guest_text};
+    use wasmtime::Store;
+    use wasmtime::component::{Component, Linker};
+
+    /// A component of the largest shape an attempt may take: every core
+    /// instance, memory and table [`limits`] allows one attempt.
+    fn largest_component() -> String {
+        let mut wat = String::from(
+            "(component\n (core module $mem (memory 1))\n (core module $tab (table 1 funcref))\n (core module $none)\n",
+        );
+        let plain = limits::INSTANCES - limits::MEMORIES - limits::TABLES;
+        for (module, n) in [
+            ("$mem", limits::MEMORIES),
+            ("$tab", limits::TABLES),
+            ("$none", plain),
+        ] {
+            for _ in 0..n {
+                wat.push_str(&format!(" (core instance (instantiate {module}))\n"));
+            }
+        }
+        wat.push(')');
+        wat
+    }
+
+    /// The pool has one slot per attempt whatever the attempt's shape: a
+    /// pool of N slots holds N attempts of the largest shape at once, and
+    /// the next one is refused for want of a component slot, not of
+    /// memories or core instances. So a queue whose guests hold several
+    /// memories takes no more of the pool than its `concurrency`, and the
+    /// daemon reserves every queue's share (`daemon::pool_size`).
+    #[tokio::test]
+    async fn a_pool_slot_holds_the_largest_attempt_so_no_queue_takes_another_queues_slots() {
+        let host = Host::new(
+            &PoolSize {
+                instances: 16,
+                max_memory: 1 << 20,
+            },
+            None,
+        )
+        .unwrap();
+        let component = Component::new(&host.engine, largest_component()).unwrap();
+        let linker = Linker::<AttemptLimits>::new(&host.engine);
+        let mut alive = Vec::new();
+        for n in 0..16 {
+            let mut store = Store::new(&host.engine, AttemptLimits::new(64 << 20));
+            store.limiter(|l| l);
+            if let Err(e) = linker.instantiate_async(&mut store, &component).await {
+                panic!("attempt {} of 16 did not fit: {e:#}", n + 1);
+            }
+            alive.push(store);
+        }
+        let mut store = Store::new(&host.engine, AttemptLimits::new(64 << 20));
+        store.limiter(|l| l);
+        let refused = linker
+            .instantiate_async(&mut store, &component)
+            .await
+            .err()
+            .map(|e| format!("{e:#}"))
+            .expect("a 17th attempt found a slot in a pool of 16");
+        assert!(
+            refused.contains("maximum concurrent limit of 16 for component instances"),
+            "{refused}"
+        );
+        drop(alive);
+        // A slot comes back when its attempt ends.
+        let mut store = Store::new(&host.engine, AttemptLimits::new(64 << 20));
+        store.limiter(|l| l);
+        linker
+            .instantiate_async(&mut store, &component)
+            .await
+            .unwrap();
+    }
 
     #[test]
     fn a_guest_reason_is_bounded_at_a_character_boundary_and_loses_its_nuls() {

@@ -106,10 +106,10 @@ impl FenceState {
         }
     }
 
+    pub const ALL: [FenceState; 3] = [FenceState::Started, FenceState::Done, FenceState::Uncertain];
+
     pub fn parse(s: &str) -> Option<FenceState> {
-        [FenceState::Started, FenceState::Done, FenceState::Uncertain]
-            .into_iter()
-            .find(|f| f.as_str() == s)
+        FenceState::ALL.into_iter().find(|f| f.as_str() == s)
     }
 }
 
@@ -163,6 +163,22 @@ pub enum Resolution {
     Done,
     /// It did not: the fence is released and the next attempt performs it.
     NotDone,
+}
+
+impl Resolution {
+    pub const ALL: [Resolution; 2] = [Resolution::Done, Resolution::NotDone];
+
+    /// The resolution's name in the API and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resolution::Done => "done",
+            Resolution::NotDone => "not-done",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Resolution> {
+        Resolution::ALL.into_iter().find(|r| r.as_str() == s)
+    }
 }
 
 /// One effect an attempt performed, replayed or was refused.

@@ -180,6 +180,7 @@ async fn fenced_cost(
         mailer: Err("no email in this bench".into()),
         providers: Arc::clone(&providers),
         email_from: "bench@localhost".into(),
+        clock: Arc::new(khata::clock::SystemClock),
     });
     let provider = providers.get("payments").context("no provider")?;
 

@@ -965,6 +965,7 @@ impl InvocationBed {
                 Providers::from_config(&Default::default()).map_err(anyhow::Error::msg)?,
             ),
             email_from: "bench@localhost".into(),
+            clock: Arc::new(khata::clock::SystemClock),
         });
         Ok(InvocationBed {
             host,
