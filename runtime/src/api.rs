@@ -673,7 +673,7 @@ async fn ready(State(state): State<AppState>) -> ApiResult<Json<Value>> {
 async fn get_job(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     // Armed by the panic test: a panic in a route is a 500, not a closed
     // connection.
-    fail::fail_point!("api::get_job");
+    let _ = crate::failpoints::armed("api::get_job");
     let job = state
         .store
         .job(&id, state.queues.now())

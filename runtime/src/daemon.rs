@@ -69,8 +69,7 @@ pub fn serve(config_path: &Path) -> anyhow::Result<()> {
         .enable_all()
         .thread_name("khata")
         .build()?;
-    #[cfg(feature = "failpoints")]
-    let _failpoints = fail::FailScenario::setup();
+    let _failpoints = crate::failpoints::scenario();
     runtime.block_on(run(config))
 }
 

@@ -31,6 +31,7 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod effects;
+pub mod failpoints;
 pub mod files;
 pub mod host;
 pub mod job;

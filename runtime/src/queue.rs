@@ -490,7 +490,7 @@ impl Queues {
     /// `queue::before_interrupt` (tests only) holds the attempt running in
     /// that window, so that a test can watch its effects being refused.
     pub async fn interrupt(&self, queue: &str, job_id: &str) {
-        crate::effects::fenced::failpoint("queue::before_interrupt").await;
+        crate::failpoints::pause("queue::before_interrupt").await;
         if let Some(q) = self.get(queue)
             && let Ok(running) = q.running.lock()
             && let Some(r) = running.get(job_id)
@@ -794,7 +794,7 @@ impl Queues {
                 error: "stopped: its lease was lost".into(),
             },
         };
-        crate::effects::fenced::failpoint("queue::before_finish").await;
+        crate::failpoints::pause("queue::before_finish").await;
         let outcome = outcome_label(&finish);
         metrics::histogram!("khata_attempt_duration_seconds", "queue" => cfg.name.clone())
             .record(started.elapsed().as_secs_f64());

@@ -354,8 +354,7 @@ impl Schedules {
                 return Ok(Vec::new());
             }
             // Armed by the backoff test: the store refuses this enqueue.
-            #[cfg(feature = "failpoints")]
-            if let Some(cause) = fail::eval("schedule::enqueue", |a| a.unwrap_or_default()) {
+            if let Some(cause) = crate::failpoints::armed("schedule::enqueue") {
                 return Err(StoreError::Unavailable(cause));
             }
             match queues.enqueue(queue, jobs.clone(), now).await {

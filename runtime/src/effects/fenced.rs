@@ -30,6 +30,7 @@ use sha2::{Digest, Sha256};
 use super::recorded::Point;
 use super::{EffectError, Effects};
 use crate::config::OnUncertain;
+use crate::failpoints;
 
 use crate::store::{FenceBegin, FenceId, StoreError};
 
@@ -89,19 +90,6 @@ pub(crate) fn fingerprint(kind: &str, canonical: &[u8]) -> Vec<u8> {
     h.update([0]);
     h.update(canonical);
     h.finalize().to_vec()
-}
-
-/// A failpoint for the crash tests: with the `failpoints` feature and
-/// `FAILPOINTS="<name>=1*return(<ms>)"`, the call waits there for `ms` while
-/// the test kills the daemon. Without the feature it is nothing.
-pub async fn failpoint(name: &str) {
-    #[cfg(feature = "failpoints")]
-    if let Some(ms) = fail::eval(name, |arg| arg.and_then(|a| a.parse::<u64>().ok())).flatten() {
-        tracing::warn!(failpoint = name, ms, "paused at a failpoint");
-        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
-    }
-    #[cfg(not(feature = "failpoints"))]
-    let _ = name;
 }
 
 fn store_error(e: StoreError) -> EffectError {
@@ -201,9 +189,9 @@ impl<'a, E: Effect + Sync> Fenced<'a, E> {
     /// Performs the effect under a fence this attempt holds.
     async fn perform(&self, performs: u32) -> Result<Answer, EffectError> {
         let fx = self.effects;
-        failpoint("effect::after_started").await;
+        failpoints::pause("effect::after_started").await;
         let tried = self.effect.perform(fx.lease.token).await;
-        failpoint("effect::after_response").await;
+        failpoints::pause("effect::after_response").await;
         match tried {
             Tried::Done(result) => {
                 self.step(Point::Started).await;

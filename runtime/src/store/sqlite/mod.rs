@@ -226,12 +226,11 @@ fn bound_wal(w: &Writer) {
     }
 }
 
-/// The crash tests' commit failure: with the `failpoints` feature and
-/// `FAILPOINTS="sqlite::commit=return(<path>)"`, every commit fails once a
-/// file exists at `<path>` (so a test decides when, after start-up).
+/// The crash tests' commit failure (`crate::failpoints`): armed as
+/// `sqlite::commit=return(<path>)`, every commit fails once a file exists at
+/// `<path>` (so a test decides when, after start-up).
 fn injected_commit_failure() -> Result<(), StoreError> {
-    #[cfg(feature = "failpoints")]
-    if let Some(path) = fail::eval("sqlite::commit", |a| a.unwrap_or_default())
+    if let Some(path) = crate::failpoints::armed("sqlite::commit")
         && Path::new(&path).exists()
     {
         return Err(unavailable(format!(
