@@ -137,14 +137,8 @@ async fn a_route_that_panics_answers_500_and_the_daemon_goes_on() {
     // The failpoint fired once: the same request now works.
     let job = d.wait_state(&id, "completed", 30).await;
     assert_eq!(job["id"], id.as_str());
-    let (_, metrics) = d.call("GET", "/metrics", None).await;
-    assert!(
-        metrics
-            .as_str()
-            .unwrap()
-            .contains("khata_api_panics_total 1"),
-        "{metrics}"
-    );
+    let metrics = d.metrics().await;
+    assert!(metrics.contains("khata_api_panics_total 1"), "{metrics}");
     assert!(d.log().contains("an API route panicked"), "{}", d.log());
 }
 

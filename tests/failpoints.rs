@@ -410,12 +410,10 @@ async fn a_cancelled_attempt_still_running_is_fenced_from_every_effect() {
             (json!(1), json!("http"), json!("refused:fenced"))
         ]
     );
-    let (_, metrics) = d.call("GET", "/metrics", None).await;
+    let metrics = d.metrics().await;
     for kind in ["email", "http"] {
         assert!(
             metrics
-                .as_str()
-                .unwrap()
                 .lines()
                 .any(|l| l.starts_with("khata_effects_total")
                     && l.contains(&format!("kind=\"{kind}\""))

@@ -63,15 +63,7 @@ async fn metrics_count_jobs_and_queue_depth() {
     assert_eq!(status, 200);
     // Completion is counted after its commit; give the counter a moment.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let text = d
-        .http
-        .get(format!("{}/metrics", d.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = d.metrics().await;
     for line in [
         "khata_jobs_enqueued_total{queue=\"echo\"} 1",
         "khata_jobs_deduplicated_total{queue=\"echo\"} 1",

@@ -55,10 +55,9 @@ async fn sweeps_everything_due(store: &str) {
     // The counter moves once the pass is durable; on sled the counts may
     // show the deletions a moment before.
     loop {
-        let (_, metrics) = d.call("GET", "/metrics", None).await;
-        let swept = metrics
-            .as_str()
-            .unwrap()
+        let swept = d
+            .metrics()
+            .await
             .lines()
             .find(|l| l.starts_with("khata_retention_swept_total{kind=\"jobs\"}"))
             .and_then(|l| l.rsplit(' ').next())

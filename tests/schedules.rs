@@ -176,15 +176,7 @@ async fn a_schedule_fires_once_per_fire_time_as_the_clock_moves() {
     assert_eq!(fired(&d, "latest").await.len(), 3);
     assert_eq!(fired(&d, "all").await.len(), 7);
     // A scheduled job is counted as every enqueue is: 7 + 3 + 2.
-    let text = d
-        .http
-        .get(format!("{}/metrics", d.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = d.metrics().await;
     let line = "khata_jobs_enqueued_total{queue=\"tick\"} 12";
     assert!(text.contains(line), "metrics lack {line:?}:\n{text}");
 }

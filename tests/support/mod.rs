@@ -261,6 +261,16 @@ impl Daemon {
         (status, v)
     }
 
+    /// `GET /metrics`: the Prometheus text exposition.
+    pub async fn metrics(&self) -> String {
+        let (status, text) = self.call("GET", "/metrics", None).await;
+        assert_eq!(status, 200, "{text}");
+        match text {
+            Value::String(text) => text,
+            other => panic!("/metrics answered JSON: {other}"),
+        }
+    }
+
     /// Sends raw bytes as the body.
     pub async fn call_raw(&self, method: &str, path: &str, body: &str) -> (u16, Value) {
         let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
