@@ -25,7 +25,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{FenceState, Store, StoreError};
+use super::{EffectRecord, FenceState, Store, StoreError};
 use crate::job::{AttemptOutcome, JobState, Millis};
 
 /// The parts of a ledger, in export order.
@@ -158,16 +158,6 @@ pub struct AttemptRecord {
     pub plugin_version: Option<String>,
 }
 
-/// One effect recorded on a job, in the order recorded.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct EffectRow {
-    pub attempt: u32,
-    pub kind: String,
-    pub key: String,
-    pub outcome: String,
-    pub at: Millis,
-}
-
 /// A job as stored: its stored state (never `delayed`, which is derived),
 /// its place in the enqueue order, its lease and its history.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -192,7 +182,8 @@ pub struct JobRecord {
     /// In order of number.
     pub attempts: Vec<AttemptRecord>,
     /// In the order recorded.
-    pub effects: Vec<EffectRow>,
+    /// In the order recorded.
+    pub effects: Vec<EffectRecord>,
 }
 
 impl JobRecord {
@@ -209,7 +200,7 @@ impl JobRecord {
     /// The job's effects, each with its number within its attempt (from 1,
     /// in the order recorded), as a backend that keys effects by (attempt,
     /// n) stores them.
-    pub fn numbered_effects(&self) -> Vec<(u32, &EffectRow)> {
+    pub fn numbered_effects(&self) -> Vec<(u32, &EffectRecord)> {
         let mut next: BTreeMap<u32, u32> = BTreeMap::new();
         self.effects
             .iter()

@@ -181,8 +181,9 @@ impl Resolution {
     }
 }
 
-/// One effect an attempt performed, replayed or was refused.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+/// One effect an attempt performed, replayed or was refused; also what
+/// `copy` moves of it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EffectRecord {
     pub attempt: u32,
     pub kind: String,

@@ -120,7 +120,7 @@ pub(super) async fn export_page<C: GenericClient>(
             {
                 let job_id: String = r.try_get(0)?;
                 if let Some(&i) = by_id.get(&job_id) {
-                    jobs[i].effects.push(copy::EffectRow {
+                    jobs[i].effects.push(EffectRecord {
                         attempt: u32_of(r.try_get(1)?),
                         kind: r.try_get(2)?,
                         key: r.try_get(3)?,

@@ -79,17 +79,7 @@ pub(super) fn export_page(
             let id = key[0];
             let j: JobRec = decode(JOBS, id.as_bytes(), v)?;
             let attempts = t.attempts(id)?;
-            let effects = t
-                .effects(id)?
-                .into_iter()
-                .map(|e| copy::EffectRow {
-                    attempt: e.attempt,
-                    kind: e.kind,
-                    key: e.key,
-                    outcome: e.outcome,
-                    at: e.at,
-                })
-                .collect();
+            let effects = t.effects(id)?;
             Ok(Record::Job(copy::JobRecord {
                 id: j.id,
                 queue: j.queue,

@@ -77,10 +77,6 @@ pub(super) fn export_page(
                 "SELECT number, token, started_at, ended_at, outcome, error, plugin_version \
                  FROM attempts WHERE job_id = ?1 ORDER BY number",
             )?;
-            let mut effects = tx.prepare(
-                "SELECT attempt, kind, key, outcome, at FROM effects WHERE job_id = ?1 \
-                 ORDER BY attempt, n",
-            )?;
             let mut out = Vec::with_capacity(rows.len());
             for (mut job, state) in rows {
                 job.state = state
@@ -111,17 +107,7 @@ pub(super) fn export_page(
                     })?;
                     job.attempts.push(a);
                 }
-                job.effects = effects
-                    .query_map([&job.id], |r| {
-                        Ok(copy::EffectRow {
-                            attempt: r.get(0)?,
-                            kind: r.get(1)?,
-                            key: r.get(2)?,
-                            outcome: r.get(3)?,
-                            at: Millis(r.get(4)?),
-                        })
-                    })?
-                    .collect::<Result<_, _>>()?;
+                job.effects = effects_of(&tx, &job.id)?;
                 out.push(job);
             }
             out.into_iter().map(Record::Job).collect()

@@ -348,7 +348,7 @@ use self::fences::*;
 use self::finish::*;
 use self::kv_index::*;
 use self::lease::*;
-use self::reads::Readers;
+use self::reads::{Readers, effects_of};
 pub use self::schema::*;
 use self::sweep::*;
 

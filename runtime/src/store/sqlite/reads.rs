@@ -161,22 +161,30 @@ impl Reads for SqliteStore {
     }
 
     fn effects(c: &Connection, job_id: &str) -> Result<Vec<EffectRecord>> {
-        let rows = c
-            .prepare_cached("SELECT attempt, kind, key, outcome, at FROM effects WHERE job_id = ?1 ORDER BY attempt, n")?
-            .query_map([job_id], |r| {
-                Ok(EffectRecord {
-                    attempt: r.get(0)?,
-                    kind: r.get(1)?,
-                    key: r.get(2)?,
-                    outcome: r.get(3)?,
-                    at: Millis(r.get(4)?),
-                })
-            })?
-            .collect::<Result<_, _>>()?;
-        Ok(rows)
+        effects_of(c, job_id)
     }
 
     fn export(c: &Connection, cursor: &copy::Cursor, limit: u32) -> Result<copy::ExportPage> {
         export_page(c, cursor, limit)
     }
+}
+
+/// The effects recorded on a job, in the order recorded: what a job's
+/// answer shows and what `copy` moves.
+pub(super) fn effects_of(c: &Connection, job_id: &str) -> Result<Vec<EffectRecord>> {
+    let rows = c
+        .prepare_cached(
+            "SELECT attempt, kind, key, outcome, at FROM effects WHERE job_id = ?1 ORDER BY attempt, n",
+        )?
+        .query_map([job_id], |r| {
+            Ok(EffectRecord {
+                attempt: r.get(0)?,
+                kind: r.get(1)?,
+                key: r.get(2)?,
+                outcome: r.get(3)?,
+                at: Millis(r.get(4)?),
+            })
+        })?
+        .collect::<Result<_, _>>()?;
+    Ok(rows)
 }
