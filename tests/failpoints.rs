@@ -413,12 +413,10 @@ async fn a_cancelled_attempt_still_running_is_fenced_from_every_effect() {
     let metrics = d.metrics().await;
     for kind in ["email", "http"] {
         assert!(
-            metrics
-                .lines()
-                .any(|l| l.starts_with("khata_effects_total")
-                    && l.contains(&format!("kind=\"{kind}\""))
-                    && l.contains("outcome=\"refused:fenced\"")
-                    && l.ends_with(" 1")),
+            metrics.lines().any(|l| l.starts_with("khata_effects_total")
+                && l.contains(&format!("kind=\"{kind}\""))
+                && l.contains("outcome=\"refused:fenced\"")
+                && l.ends_with(" 1")),
             "{metrics}"
         );
     }
