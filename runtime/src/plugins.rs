@@ -68,13 +68,14 @@ pub fn check_grants(q: &Queue, plugin: &Plugin) -> Result<(), String> {
 }
 
 fn granted(g: &Grants, c: Capability) -> bool {
-    match c {
-        Capability::Kv => g.kv,
-        Capability::Index => !g.index.is_empty(),
-        Capability::Email => g.email,
-        Capability::Http => !g.http.is_empty(),
-        Capability::Log => true,
-    }
+    g.everything
+        || match c {
+            Capability::Kv => g.kv,
+            Capability::Index => !g.index.is_empty(),
+            Capability::Email => g.email,
+            Capability::Http => !g.http.is_empty(),
+            Capability::Log => true,
+        }
 }
 
 /// How much of each file a scan looks at.

@@ -79,8 +79,11 @@ impl Settings {
                 namespace: q.namespace.clone(),
                 grants: q.grants.clone(),
                 on_uncertain: q.on_uncertain,
-                mailer: outside.mailer.clone(),
-                providers: Arc::clone(&outside.providers),
+                mailer: outside
+                    .mailer
+                    .clone()
+                    .map(|m| m as Arc<dyn crate::effects::outside::MailTransport>),
+                providers: outside.providers.clone(),
                 email_from: outside.email_from.clone(),
                 clock: Arc::clone(&outside.clock),
             }),

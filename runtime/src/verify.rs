@@ -24,7 +24,7 @@
 //! that a cut and its redelivery performed under two keys (performed twice),
 //! results that differ, and redeliveries that end otherwise than the clean run.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,9 +35,11 @@ use tokio::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Grants, OnUncertain};
-use crate::effects::http::Providers;
-use crate::effects::recorded::{Point, Recorder, Step};
-use crate::effects::{Effects, Scope};
+use crate::effects::email::{Mail, SendError};
+use crate::effects::http::{self, HttpError, HttpRequest, HttpResponse};
+use crate::effects::outside::{HttpTransport, MailTransport};
+use crate::effects::recorded::{self, Point, Step, Watch};
+use crate::effects::{EffectError, Effects, Scope};
 use crate::host::{Host, JobInput, Limits, Plugin, PoolSize, RunOutcome};
 use crate::job::{Finish, Millis, NewJob};
 use crate::store::sqlite::SqliteStore;
@@ -233,43 +235,100 @@ pub fn verify(options: &Options) -> Result<Report, VerifyError> {
     runtime.block_on(run(options))
 }
 
-/// The outside world of one ledger: what the recorder received.
+/// The outside world of one ledger: what the recorders received.
 #[derive(Default)]
 struct World {
     /// (kind, key, attempt) of every delivery, in order.
     deliveries: Mutex<Vec<(String, String, u32)>>,
-    answers: Mutex<HashMap<(String, String), Vec<u8>>>,
 }
 
-/// The recorder of one attempt.
+impl World {
+    fn deliver(&self, kind: &str, key: &str, attempt: u32) {
+        if let Ok(mut d) = self.deliveries.lock() {
+            d.push((kind.to_owned(), key.to_owned(), attempt));
+        }
+    }
+
+    /// Whether `key` of `kind` was delivered, by any attempt.
+    fn delivered(&self, kind: &str, key: &str) -> bool {
+        self.deliveries
+            .lock()
+            .is_ok_and(|d| d.iter().any(|(k, x, _)| k == kind && x == key))
+    }
+}
+
+/// The outside world and the watch of one attempt: it takes every email and
+/// HTTP request in place of a transport, answers each with a plausible
+/// success, and reconciles exactly against what its ledger's world received.
 struct AttemptRecorder {
     world: Arc<World>,
     attempt: u32,
-    grants_everything: bool,
     cut: Option<Cut>,
     calls: Mutex<Vec<Call>>,
     stopped: Notify,
 }
 
-impl Recorder for AttemptRecorder {
-    fn grants_everything(&self) -> bool {
-        self.grants_everything
+#[async_trait::async_trait]
+impl MailTransport for AttemptRecorder {
+    /// The recorder reconciles exactly, so its nature never decides.
+    fn idempotent(&self) -> bool {
+        true
     }
 
-    fn deliver(&self, kind: &str, key: &str, _fingerprint: &[u8], answer: &[u8]) {
-        if let Ok(mut d) = self.world.deliveries.lock() {
-            d.push((kind.to_owned(), key.to_owned(), self.attempt));
-        }
-        if let Ok(mut a) = self.world.answers.lock() {
-            a.insert((kind.to_owned(), key.to_owned()), answer.to_vec());
-        }
+    fn allows_sender(&self, _from: &str) -> bool {
+        true
     }
 
-    fn lookup(&self, kind: &str, key: &str) -> Option<Vec<u8>> {
-        let answers = self.world.answers.lock().ok()?;
-        answers.get(&(kind.to_owned(), key.to_owned())).cloned()
+    async fn send(&self, key: &str, _mail: &Mail, _message_id: &str) -> Result<(), SendError> {
+        self.world.deliver("email", key, self.attempt);
+        Ok(())
     }
 
+    async fn lookup(&self, key: &str, _message_id: &str) -> Option<bool> {
+        Some(self.world.delivered("email", key))
+    }
+}
+
+#[async_trait::async_trait]
+impl HttpTransport for AttemptRecorder {
+    /// Any provider name will do; the request gets the checks that do not
+    /// depend on a provider.
+    fn check(&self, _provider: &str, request: &HttpRequest) -> Result<(), EffectError> {
+        http::check_request(request)
+            .map(drop)
+            .map_err(|e| EffectError::Invalid(e.to_string()))
+    }
+
+    /// The recorder reconciles exactly, so its nature never decides.
+    fn idempotent(&self, _provider: &str) -> bool {
+        true
+    }
+
+    async fn send(
+        &self,
+        provider: &str,
+        key: &str,
+        _fencing_token: u64,
+        _request: &HttpRequest,
+    ) -> Result<HttpResponse, HttpError> {
+        self.world.deliver("http", key, self.attempt);
+        Ok(recorded::http_answer(provider, key))
+    }
+
+    async fn reconcile(
+        &self,
+        provider: &str,
+        key: &str,
+        _fencing_token: u64,
+    ) -> Option<Result<Option<HttpResponse>, HttpError>> {
+        Some(Ok(self
+            .world
+            .delivered("http", key)
+            .then(|| recorded::http_answer(provider, key))))
+    }
+}
+
+impl Watch for AttemptRecorder {
     fn stop_at(&self, step: &Step<'_>) -> bool {
         let Ok(mut calls) = self.calls.lock() else {
             return false;
@@ -321,7 +380,6 @@ struct Bench {
     limits: Limits,
     payload: String,
     enqueued_at: Millis,
-    grants_everything: bool,
     root: tempfile::TempDir,
     ledgers: u32,
 }
@@ -382,17 +440,17 @@ impl Bench {
         let recorder = Arc::new(AttemptRecorder {
             world: Arc::clone(&ledger.world),
             attempt: lease.attempt,
-            grants_everything: self.grants_everything,
             cut,
             calls: Mutex::default(),
             stopped: Notify::new(),
         });
-        let effects = Effects::recorded(
-            Arc::clone(&ledger.store),
-            Arc::clone(&self.scope),
-            lease.fence(),
-            Arc::clone(&recorder) as Arc<dyn Recorder>,
-        );
+        let scope = Scope {
+            mailer: Ok(Arc::clone(&recorder) as Arc<dyn MailTransport>),
+            providers: Arc::clone(&recorder) as Arc<dyn HttpTransport>,
+            ..Scope::clone(&self.scope)
+        };
+        let effects = Effects::new(Arc::clone(&ledger.store), Arc::new(scope), lease.fence())
+            .watched(Arc::clone(&recorder) as Arc<dyn Watch>);
         let input = JobInput {
             id: lease.job_id.clone(),
             queue: lease.queue.clone(),
@@ -454,73 +512,70 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
     let name = path
         .file_stem()
         .map_or_else(|| "plugin".to_owned(), |s| s.to_string_lossy().into_owned());
-    let (queue, grants_everything, limits, on_uncertain, email_from, described) =
-        match &options.queue {
-            Some(queue) => {
-                let config =
-                    Config::load(&options.config).map_err(|e| VerifyError::Input(e.to_string()))?;
-                let q = config.queues.get(queue).ok_or_else(|| {
-                    let known: Vec<&str> = config.queues.keys().map(String::as_str).collect();
-                    VerifyError::Input(format!(
-                        "--queue: there is no queue {queue:?} in {} (its queues: {})",
-                        options.config.display(),
-                        if known.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            known.join(", ")
-                        }
-                    ))
-                })?;
-                let limits = Limits {
-                    timeout: q.timeout,
-                    memory: q.memory,
-                    max_result: q.max_result,
-                    log_bytes: LOG_BYTES,
-                    log_lines: LOG_LINES,
-                };
-                let described = format!("queue {queue:?} of {}", options.config.display());
-                (
-                    q.clone(),
-                    false,
-                    limits,
-                    q.on_uncertain,
-                    config.email.from.clone(),
-                    described,
-                )
-            }
-            None => {
-                let limits = Limits {
-                    timeout: DEFAULT_TIMEOUT,
-                    memory: DEFAULT_MEMORY,
-                    max_result: DEFAULT_MAX_RESULT,
-                    log_bytes: LOG_BYTES,
-                    log_lines: LOG_LINES,
-                };
-                let queue = crate::config::Queue {
-                    name: "verify".into(),
-                    plugin: name.clone(),
-                    namespace: "verify".into(),
-                    grants: Grants::default(),
-                    concurrency: 1,
-                    timeout: limits.timeout,
-                    max_attempts: MAX_ATTEMPTS,
-                    backoff: crate::config::Backoff::default(),
-                    memory: limits.memory,
-                    on_uncertain: OnUncertain::Skip,
-                    rate_limit: None,
-                    max_payload: DEFAULT_MAX_RESULT,
-                    max_result: limits.max_result,
-                };
-                (
-                    queue,
-                    true,
-                    limits,
-                    OnUncertain::Skip,
-                    DEFAULT_FROM.to_owned(),
-                    "everything the plugin imports".to_owned(),
-                )
-            }
-        };
+    let (queue, limits, on_uncertain, email_from, described) = match &options.queue {
+        Some(queue) => {
+            let config =
+                Config::load(&options.config).map_err(|e| VerifyError::Input(e.to_string()))?;
+            let q = config.queues.get(queue).ok_or_else(|| {
+                let known: Vec<&str> = config.queues.keys().map(String::as_str).collect();
+                VerifyError::Input(format!(
+                    "--queue: there is no queue {queue:?} in {} (its queues: {})",
+                    options.config.display(),
+                    if known.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
+                ))
+            })?;
+            let limits = Limits {
+                timeout: q.timeout,
+                memory: q.memory,
+                max_result: q.max_result,
+                log_bytes: LOG_BYTES,
+                log_lines: LOG_LINES,
+            };
+            let described = format!("queue {queue:?} of {}", options.config.display());
+            (
+                q.clone(),
+                limits,
+                q.on_uncertain,
+                config.email.from.clone(),
+                described,
+            )
+        }
+        None => {
+            let limits = Limits {
+                timeout: DEFAULT_TIMEOUT,
+                memory: DEFAULT_MEMORY,
+                max_result: DEFAULT_MAX_RESULT,
+                log_bytes: LOG_BYTES,
+                log_lines: LOG_LINES,
+            };
+            let queue = crate::config::Queue {
+                name: "verify".into(),
+                plugin: name.clone(),
+                namespace: "verify".into(),
+                grants: Grants::all(),
+                concurrency: 1,
+                timeout: limits.timeout,
+                max_attempts: MAX_ATTEMPTS,
+                backoff: crate::config::Backoff::default(),
+                memory: limits.memory,
+                on_uncertain: OnUncertain::Skip,
+                rate_limit: None,
+                max_payload: DEFAULT_MAX_RESULT,
+                max_result: limits.max_result,
+            };
+            (
+                queue,
+                limits,
+                OnUncertain::Skip,
+                DEFAULT_FROM.to_owned(),
+                "everything the plugin imports".to_owned(),
+            )
+        }
+    };
     let pool = PoolSize {
         instances: 2,
         max_memory: limits.memory,
@@ -530,17 +585,15 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
     let plugin = host
         .load(&name, &bytes)
         .map_err(|e| VerifyError::Input(format!("{}: {e}", path.display())))?;
-    if !grants_everything {
-        crate::plugins::check_grants(&queue, &plugin).map_err(VerifyError::Input)?;
-    }
-    let providers = Providers::from_config(&BTreeMap::new()).map_err(VerifyError::Failed)?;
+    crate::plugins::check_grants(&queue, &plugin).map_err(VerifyError::Input)?;
+    // Each attempt's scope replaces both transports with its recorder.
     let scope = Arc::new(Scope {
         queue: queue.name.clone(),
         namespace: queue.namespace.clone(),
         grants: queue.grants.clone(),
         on_uncertain,
         mailer: Err("khata verify records email instead of sending it".into()),
-        providers: Arc::new(providers),
+        providers: Arc::new(crate::effects::http::Providers::default()),
         email_from,
         clock: Arc::new(SystemClock),
     });
@@ -555,7 +608,6 @@ async fn run(options: &Options) -> Result<Report, VerifyError> {
         limits,
         payload: options.payload.to_string(),
         enqueued_at: SystemClock.now(),
-        grants_everything,
         root,
         ledgers: 0,
     };

@@ -143,6 +143,36 @@ pub struct Grants {
     pub index: Vec<String>,
     /// `[http.NAME]` providers the queue may call.
     pub http: Vec<String>,
+    /// Every capability, whatever the fields above say: never set from
+    /// jobs.toml, only by `khata verify` run without a queue, which tries a
+    /// plugin against everything it imports.
+    pub everything: bool,
+}
+
+impl Grants {
+    /// Every capability (see [`Grants::everything`]).
+    pub fn all() -> Grants {
+        Grants {
+            everything: true,
+            ..Grants::default()
+        }
+    }
+
+    pub fn allows_kv(&self) -> bool {
+        self.kv || self.everything
+    }
+
+    pub fn allows_email(&self) -> bool {
+        self.email || self.everything
+    }
+
+    pub fn allows_index(&self, collection: &str) -> bool {
+        self.everything || self.index.iter().any(|c| c == collection)
+    }
+
+    pub fn allows_http(&self, provider: &str) -> bool {
+        self.everything || self.http.iter().any(|p| p == provider)
+    }
 }
 
 /// Retry delays: `min(max, initial * multiplier^(attempt-1))`, then jitter.

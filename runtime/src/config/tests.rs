@@ -151,7 +151,8 @@ fn design_example_parses() {
             kv: true,
             email: true,
             index: vec![],
-            http: vec![]
+            http: vec![],
+            everything: false,
         }
     );
     assert_eq!(welcome.concurrency, 4);

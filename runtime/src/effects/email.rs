@@ -507,6 +507,25 @@ impl Mailer {
     }
 }
 
+#[async_trait::async_trait]
+impl super::outside::MailTransport for Mailer {
+    fn idempotent(&self) -> bool {
+        Mailer::idempotent(self)
+    }
+
+    fn allows_sender(&self, from: &str) -> bool {
+        Mailer::allows_sender(self, from)
+    }
+
+    async fn send(&self, _key: &str, mail: &Mail, message_id: &str) -> Result<(), SendError> {
+        Mailer::send(self, mail, message_id).await
+    }
+
+    async fn lookup(&self, _key: &str, message_id: &str) -> Option<bool> {
+        Mailer::lookup(self, message_id).await
+    }
+}
+
 /// Distinguishes the temp files of concurrent writers in one process.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 

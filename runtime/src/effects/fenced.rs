@@ -18,10 +18,12 @@
 //! again with the same key; a non-idempotent one follows the queue's
 //! `on_uncertain` policy.
 //!
-//! Under `khata verify` ([`super::recorded`]) a call shows the recorder its
+//! Under `khata verify` ([`super::recorded`]) a call shows its watch the
 //! steps: before `fence_begin`, after the provider answered and before
-//! `fence_done`, and after `fence_done`; the recorder may stop the attempt
-//! at any of them. Without a recorder the steps are nothing.
+//! `fence_done`, and after `fence_done`; the watch may stop the attempt at
+//! any of them. Unwatched, the steps are nothing. The provider itself is
+//! behind [`super::outside`]'s traits, so the protocol is the same whether
+//! it reaches the world or a recorder.
 
 use std::future::Future;
 

@@ -18,6 +18,7 @@
 pub mod email;
 pub mod fenced;
 pub mod http;
+pub mod outside;
 pub mod recorded;
 
 use std::sync::{Arc, OnceLock};
@@ -29,10 +30,11 @@ use crate::store::RESOLVED_BY_OPERATOR;
 use crate::store::{
     Doc, DocId, EffectRecord, KvPut, PutMode, Store, StoreError, Tombstone, UpsertOutcome,
 };
-use email::{Mail, Mailer, SendError};
+use email::{Mail, SendError};
 use fenced::{Effect, Fenced, Reconciled, Tried};
-use http::{HttpError, HttpRequest, HttpResponse, Provider, Providers};
-use recorded::{Point, Recorder, Step};
+use http::{HttpError, HttpRequest, HttpResponse};
+use outside::{HttpTransport, MailTransport};
+use recorded::{Point, Step, Watch};
 
 /// Largest kv key or index id, in bytes.
 pub const MAX_KEY: usize = 1024;
@@ -93,15 +95,17 @@ impl From<StoreError> for EffectError {
 }
 
 /// What the attempts of one queue may reach: its grants, policy and the
-/// providers configured for the daemon.
+/// outside world (the transports configured for the daemon, or under
+/// `khata verify` a recorder's).
+#[derive(Clone)]
 pub struct Scope {
     pub queue: String,
     pub namespace: String,
     pub grants: Grants,
     pub on_uncertain: OnUncertain,
-    /// `None` when the email transport could not be set up (the error says why).
-    pub mailer: Result<Arc<Mailer>, String>,
-    pub providers: Arc<Providers>,
+    /// `Err` when the email transport could not be set up (the error says why).
+    pub mailer: Result<Arc<dyn MailTransport>, String>,
+    pub providers: Arc<dyn HttpTransport>,
     /// The From address used when a message names none.
     pub email_from: String,
     /// The daemon's time: the dates of fences and effect records.
@@ -131,9 +135,9 @@ pub struct Effects {
     dead: OnceLock<String>,
     /// Refused effect calls of this attempt so far.
     refusals: std::sync::atomic::AtomicU32,
-    /// Set only by [`Effects::recorded`] (`khata verify`): external effects
-    /// go to it instead of the providers.
-    recorder: Option<Arc<dyn Recorder>>,
+    /// Set only by [`Effects::watched`] (`khata verify`): sees every step
+    /// and outcome of the attempt's effects and may stop it at one.
+    watch: Option<Arc<dyn Watch>>,
 }
 
 impl std::fmt::Debug for Effects {
@@ -181,35 +185,21 @@ impl Effects {
             lease,
             dead: OnceLock::new(),
             refusals: std::sync::atomic::AtomicU32::new(0),
-            recorder: None,
+            watch: None,
         }
     }
 
-    /// The effects of an attempt run by `khata verify`: the same checks and
-    /// fences on `store`, but every email and HTTP effect is answered by
-    /// `recorder` (nothing leaves the host), which also sees every step and
-    /// may stop the attempt at one. See [`recorded`].
-    pub fn recorded(
-        store: Arc<dyn Store>,
-        scope: Arc<Scope>,
-        lease: LeaseRef,
-        recorder: Arc<dyn Recorder>,
-    ) -> Effects {
-        let mut effects = Effects::new(store, scope, lease);
-        effects.recorder = Some(recorder);
-        effects
+    /// The same effects, with `watch` seeing every step and outcome (`khata
+    /// verify`). See [`recorded`].
+    pub fn watched(mut self, watch: Arc<dyn Watch>) -> Effects {
+        self.watch = Some(watch);
+        self
     }
 
-    fn grants_everything(&self) -> bool {
-        self.recorder
-            .as_ref()
-            .is_some_and(|r| r.grants_everything())
-    }
-
-    /// Shows a step to the recorder, if any. When it asks to stop there, the
-    /// call never returns: the recorder's owner drops the attempt.
+    /// Shows a step to the watch, if any. When it asks to stop there, the
+    /// call never returns: the watch's owner drops the attempt.
     async fn step(&self, kind: &str, key: &str, fingerprint: &[u8], point: Point) {
-        let Some(recorder) = &self.recorder else {
+        let Some(watch) = &self.watch else {
             return;
         };
         let step = Step {
@@ -218,13 +208,13 @@ impl Effects {
             fingerprint,
             point,
         };
-        if recorder.stop_at(&step) {
+        if watch.stop_at(&step) {
             std::future::pending::<()>().await;
         }
     }
 
-    /// Runs an embedded write between the recorder's `before started` and
-    /// `done` steps; without a recorder it is just `write`.
+    /// Runs an embedded write between the watch's `before started` and
+    /// `done` steps; unwatched it is just `write`.
     async fn embedded<T>(
         &self,
         kind: &str,
@@ -232,20 +222,18 @@ impl Effects {
         request: &[u8],
         write: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, EffectError> {
-        if self.recorder.is_none() {
+        let Some(watch) = &self.watch else {
             return Ok(write.await?);
-        }
+        };
         let fingerprint = fenced::fingerprint(kind, request);
         self.step(kind, key, &fingerprint, Point::BeforeStarted)
             .await;
         let result = write.await.map_err(EffectError::from);
-        if let Some(recorder) = &self.recorder {
-            let outcome = match &result {
-                Ok(_) => "applied".to_owned(),
-                Err(e) => format!("refused:{}", e.reason()),
-            };
-            recorder.outcome(kind, key, &outcome);
-        }
+        let outcome = match &result {
+            Ok(_) => "applied".to_owned(),
+            Err(e) => format!("refused:{}", e.reason()),
+        };
+        watch.outcome(kind, key, &outcome);
         let result = result?;
         self.step(kind, key, &fingerprint, Point::Done).await;
         Ok(result)
@@ -260,8 +248,8 @@ impl Effects {
     /// Records an external effect on the attempt (`performed`, `replayed`,
     /// `refused:<reason>`, ...) and counts it.
     async fn record(&self, kind: &str, key: &str, outcome: &str) {
-        if let Some(recorder) = &self.recorder {
-            recorder.outcome(kind, key, outcome);
+        if let Some(watch) = &self.watch {
+            watch.outcome(kind, key, outcome);
         }
         metrics::counter!("khata_effects_total", "kind" => kind.to_owned(), "outcome" => outcome.to_owned())
             .increment(1);
@@ -322,7 +310,7 @@ impl Effects {
     }
 
     fn kv_granted(&self) -> Result<(), EffectError> {
-        if self.grants.kv || self.grants_everything() {
+        if self.grants.allows_kv() {
             Ok(())
         } else {
             Err(EffectError::Denied(format!(
@@ -333,7 +321,7 @@ impl Effects {
     }
 
     fn index_granted(&self, collection: &str) -> Result<(), EffectError> {
-        if self.grants.index.iter().any(|c| c == collection) || self.grants_everything() {
+        if self.grants.allows_index(collection) {
             Ok(())
         } else {
             Err(EffectError::Denied(format!(
@@ -498,32 +486,19 @@ impl Effects {
         };
         let from = mail.from.as_deref().unwrap_or(&self.scope.email_from);
         let message_id = email::message_id(&self.namespace, key, from);
-        let answer = match (mailer, &self.recorder) {
-            (Some(mailer), _) => {
-                let effect = EmailEffect {
-                    mailer,
-                    mail: &mail,
-                    message_id: &message_id,
-                };
-                Fenced::new(self, &effect, key).call().await?
-            }
-            (None, recorder) => {
-                let effect = RecordedEffect {
-                    recorder: recorder.as_deref(),
-                    kind: "email",
-                    key,
-                    canonical: serde_json::to_vec(&mail).unwrap_or_default(),
-                    answer: message_id.as_bytes().to_vec(),
-                };
-                Fenced::new(self, &effect, key).call().await?
-            }
+        let effect = EmailEffect {
+            mailer,
+            key,
+            mail: &mail,
+            message_id: &message_id,
         };
+        let answer = Fenced::new(self, &effect, key).call().await?;
         Ok((message_id, answer.replayed))
     }
 
-    /// The mailer to send through; `None` when a recorder takes the message.
-    fn email_checks(&self, key: &str, mail: &Mail) -> Result<Option<&Mailer>, EffectError> {
-        if !self.grants.email && !self.grants_everything() {
+    /// The transport to send through.
+    fn email_checks(&self, key: &str, mail: &Mail) -> Result<&dyn MailTransport, EffectError> {
+        if !self.grants.allows_email() {
             return Err(EffectError::Denied(format!(
                 "queue {:?} is not granted email (grants = {{ email = true }})",
                 self.queue
@@ -542,9 +517,6 @@ impl Effects {
                 mail.subject.len()
             )));
         }
-        if self.recorder.is_some() {
-            return Ok(None);
-        }
         let mailer = self.scope.mailer.as_deref().map_err(|e| {
             EffectError::Transient(format!("the email transport is not available: {e}"))
         })?;
@@ -555,7 +527,7 @@ impl Effects {
                 "From {from:?} is not one of the senders [email] allows (email.from and email.senders)"
             )));
         }
-        Ok(Some(mailer))
+        Ok(mailer)
     }
 
     /// Sends one request to a named provider, once per key.
@@ -565,31 +537,16 @@ impl Effects {
         provider_name: &str,
         request: HttpRequest,
     ) -> Result<(HttpResponse, bool), EffectError> {
-        let provider = match self.http_checks(key, provider_name, &request) {
-            Ok(p) => p,
-            Err(e) => return Err(self.refused("http", key, e).await),
+        if let Err(e) = self.http_checks(key, provider_name, &request) {
+            return Err(self.refused("http", key, e).await);
+        }
+        let effect = HttpEffect {
+            transport: &*self.scope.providers,
+            provider: provider_name,
+            key,
+            request: &request,
         };
-        let answer = match (provider, &self.recorder) {
-            (Some(provider), _) => {
-                let effect = HttpEffect {
-                    provider,
-                    key,
-                    request: &request,
-                };
-                Fenced::new(self, &effect, key).call().await?
-            }
-            (None, recorder) => {
-                let answer = recorded::http_answer(provider_name, key);
-                let effect = RecordedEffect {
-                    recorder: recorder.as_deref(),
-                    kind: "http",
-                    key,
-                    canonical: http_canonical(provider_name, &request),
-                    answer: serde_json::to_vec(&answer).unwrap_or_default(),
-                };
-                Fenced::new(self, &effect, key).call().await?
-            }
-        };
+        let answer = Fenced::new(self, &effect, key).call().await?;
         let response = if answer.result == RESOLVED_BY_OPERATOR {
             HttpResponse {
                 status: 204,
@@ -617,77 +574,26 @@ fn http_canonical(provider: &str, request: &HttpRequest) -> Vec<u8> {
 }
 
 impl Effects {
-    /// The provider to send through; `None` when a recorder takes the
-    /// request (the provider need not be configured then).
     fn http_checks(
         &self,
         key: &str,
         provider: &str,
         request: &HttpRequest,
-    ) -> Result<Option<&Provider>, EffectError> {
-        if !self.grants.http.iter().any(|p| p == provider) && !self.grants_everything() {
+    ) -> Result<(), EffectError> {
+        if !self.grants.allows_http(provider) {
             return Err(EffectError::Denied(format!(
                 "queue {:?} is not granted http provider {provider:?} (grants = {{ http = [{provider:?}] }})",
                 self.queue
             )));
         }
         check_key("an http key", key)?;
-        if self.recorder.is_some() {
-            http::check_request(request).map_err(|e| EffectError::Invalid(e.to_string()))?;
-            return Ok(None);
-        }
-        let provider = self.scope.providers.get(provider).ok_or_else(|| {
-            EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
-        })?;
-        provider
-            .validate(request)
-            .map_err(|e| EffectError::Invalid(e.to_string()))?;
-        Ok(Some(provider))
-    }
-}
-
-/// An external effect answered by a [`Recorder`] instead of its provider.
-struct RecordedEffect<'a> {
-    recorder: Option<&'a dyn Recorder>,
-    kind: &'static str,
-    key: &'a str,
-    canonical: Vec<u8>,
-    /// The result the provider would give: recorded and replayed.
-    answer: Vec<u8>,
-}
-
-impl Effect for RecordedEffect<'_> {
-    fn kind(&self) -> &'static str {
-        self.kind
-    }
-
-    fn canonical(&self) -> Vec<u8> {
-        self.canonical.clone()
-    }
-
-    /// The recorder reconciles exactly, so its nature never decides.
-    fn idempotent(&self) -> bool {
-        true
-    }
-
-    async fn perform(&self, _fencing_token: u64) -> Tried {
-        if let Some(r) = self.recorder {
-            let fingerprint = fenced::fingerprint(self.kind, &self.canonical);
-            r.deliver(self.kind, self.key, &fingerprint, &self.answer);
-        }
-        Tried::Done(self.answer.clone())
-    }
-
-    async fn reconcile(&self, _fencing_token: u64) -> Reconciled {
-        match self.recorder.and_then(|r| r.lookup(self.kind, self.key)) {
-            Some(answer) => Reconciled::Happened(answer),
-            None => Reconciled::NotHappened,
-        }
+        self.scope.providers.check(provider, request)
     }
 }
 
 struct EmailEffect<'a> {
-    mailer: &'a Mailer,
+    mailer: &'a dyn MailTransport,
+    key: &'a str,
     mail: &'a Mail,
     message_id: &'a str,
 }
@@ -706,7 +612,7 @@ impl Effect for EmailEffect<'_> {
     }
 
     async fn perform(&self, _fencing_token: u64) -> Tried {
-        match self.mailer.send(self.mail, self.message_id).await {
+        match self.mailer.send(self.key, self.mail, self.message_id).await {
             Ok(()) => Tried::Done(self.message_id.as_bytes().to_vec()),
             Err(SendError::Invalid(m)) => Tried::Invalid(m),
             Err(SendError::NotSent(m)) => Tried::NotSent(m),
@@ -716,7 +622,7 @@ impl Effect for EmailEffect<'_> {
     }
 
     async fn reconcile(&self, _fencing_token: u64) -> Reconciled {
-        match self.mailer.lookup(self.message_id).await {
+        match self.mailer.lookup(self.key, self.message_id).await {
             Some(true) => Reconciled::Happened(self.message_id.as_bytes().to_vec()),
             Some(false) => Reconciled::NotHappened,
             None => Reconciled::Unknown,
@@ -725,7 +631,8 @@ impl Effect for EmailEffect<'_> {
 }
 
 struct HttpEffect<'a> {
-    provider: &'a Provider,
+    transport: &'a dyn HttpTransport,
+    provider: &'a str,
     key: &'a str,
     request: &'a HttpRequest,
 }
@@ -743,17 +650,17 @@ impl Effect for HttpEffect<'_> {
     }
 
     fn canonical(&self) -> Vec<u8> {
-        http_canonical(self.provider.name(), self.request)
+        http_canonical(self.provider, self.request)
     }
 
     fn idempotent(&self) -> bool {
-        self.provider.idempotent()
+        self.transport.idempotent(self.provider)
     }
 
     async fn perform(&self, fencing_token: u64) -> Tried {
         match self
-            .provider
-            .send(self.key, fencing_token, self.request)
+            .transport
+            .send(self.provider, self.key, fencing_token, self.request)
             .await
         {
             Ok(response) => recorded(&response),
@@ -770,7 +677,11 @@ impl Effect for HttpEffect<'_> {
     }
 
     async fn reconcile(&self, fencing_token: u64) -> Reconciled {
-        match self.provider.reconcile(self.key, fencing_token).await {
+        match self
+            .transport
+            .reconcile(self.provider, self.key, fencing_token)
+            .await
+        {
             Some(Ok(Some(response))) => match serde_json::to_vec(&response) {
                 Ok(bytes) => Reconciled::Happened(bytes),
                 Err(_) => Reconciled::Unknown,

@@ -1,16 +1,15 @@
-//! The stand-in for the outside world that `khata verify` runs a handler
-//! against (see `crate::verify`).
+//! What `khata verify` (see `crate::verify`) runs a handler against.
 //!
-//! An [`Effects`](super::Effects) built with
-//! [`Effects::recorded`](super::Effects::recorded) sends no email and no
-//! HTTP request: every external effect is answered by a [`Recorder`], which
-//! notes it and returns a plausible success. The fence protocol around it is
-//! the daemon's own, on a real store. The recorder also sees every step of
-//! the attempt and may stop it at one, as a crash would.
+//! Verify builds each attempt's [`Scope`](super::Scope) with a recorder as
+//! its email transport and HTTP providers ([`super::outside`]'s traits): it
+//! sends nothing, notes every delivery and answers with a plausible success
+//! ([`http_answer`] for HTTP, the Message-ID for email). The fence protocol
+//! around it is the daemon's own, on a real store. A [`Watch`] installed with
+//! [`Effects::watched`](super::Effects::watched) also sees every step of the
+//! attempt's effects and may stop it at one, as a crash would.
 //!
-//! Only [`Effects::recorded`](super::Effects::recorded) installs a recorder;
-//! [`Effects::new`](super::Effects::new), which the daemon uses, never does,
-//! so nothing here is reachable from a daemon's attempt.
+//! The daemon never installs a watch and never builds a recorder, so
+//! nothing here is reachable from a daemon's attempt.
 
 use sha2::{Digest, Sha256};
 
@@ -40,7 +39,7 @@ impl Point {
     }
 }
 
-/// One step of an effect, as the recorder sees it.
+/// One step of an effect, as a watch sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct Step<'a> {
     /// `email`, `http`, `kv` or `index`.
@@ -52,20 +51,8 @@ pub struct Step<'a> {
     pub point: Point,
 }
 
-/// Answers external effects in place of their providers and watches the
-/// steps of one attempt.
-pub trait Recorder: Send + Sync {
-    /// Whether every kv collection, index collection, email and HTTP
-    /// provider counts as granted (instead of the queue's grants).
-    fn grants_everything(&self) -> bool;
-
-    /// Takes an external effect in place of its provider: notes it and keeps
-    /// `answer` as its result, for [`Recorder::lookup`].
-    fn deliver(&self, kind: &str, key: &str, fingerprint: &[u8], answer: &[u8]);
-
-    /// Reconciliation: the answer given for this key, if it was delivered.
-    fn lookup(&self, kind: &str, key: &str) -> Option<Vec<u8>>;
-
+/// Sees the steps and outcomes of one attempt's effects.
+pub trait Watch: Send + Sync {
     /// Called at every step. `true` stops the attempt there: the effect call
     /// never returns, and whoever runs the attempt drops it, leaving the
     /// ledger as a crash at that point would.

@@ -178,7 +178,7 @@ async fn fenced_cost(
         },
         on_uncertain: OnUncertain::Skip,
         mailer: Err("no email in this bench".into()),
-        providers: Arc::clone(&providers),
+        providers: providers.clone(),
         email_from: "bench@localhost".into(),
         clock: Arc::new(khata::clock::SystemClock),
     });

@@ -111,6 +111,7 @@ pub enum HttpError {
 }
 
 /// Every configured provider, by name.
+#[derive(Default)]
 pub struct Providers {
     providers: BTreeMap<String, Provider>,
 }
@@ -137,6 +138,53 @@ impl Providers {
 
     pub fn get(&self, name: &str) -> Option<&Provider> {
         self.providers.get(name)
+    }
+}
+
+impl Providers {
+    fn named(&self, name: &str) -> Result<&Provider, HttpError> {
+        self.get(name)
+            .ok_or_else(|| HttpError::Invalid(format!("there is no [http.{name}] in jobs.toml")))
+    }
+}
+
+#[async_trait::async_trait]
+impl super::outside::HttpTransport for Providers {
+    fn check(&self, provider: &str, request: &HttpRequest) -> Result<(), super::EffectError> {
+        let provider = self.get(provider).ok_or_else(|| {
+            super::EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
+        })?;
+        provider
+            .validate(request)
+            .map_err(|e| super::EffectError::Invalid(e.to_string()))
+    }
+
+    fn idempotent(&self, provider: &str) -> bool {
+        self.get(provider).is_some_and(Provider::idempotent)
+    }
+
+    async fn send(
+        &self,
+        provider: &str,
+        key: &str,
+        fencing_token: u64,
+        request: &HttpRequest,
+    ) -> Result<HttpResponse, HttpError> {
+        self.named(provider)?
+            .send(key, fencing_token, request)
+            .await
+    }
+
+    async fn reconcile(
+        &self,
+        provider: &str,
+        key: &str,
+        fencing_token: u64,
+    ) -> Option<Result<Option<HttpResponse>, HttpError>> {
+        match self.named(provider) {
+            Ok(p) => p.reconcile(key, fencing_token).await,
+            Err(e) => Some(Err(e)),
+        }
     }
 }
 

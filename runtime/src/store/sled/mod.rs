@@ -312,17 +312,7 @@ impl SledStore {
     /// [`SledStore::open`] with a page cache of `cache` bytes, the most of
     /// the ledger sled keeps in memory (`[store] cache`).
     pub fn open_with_cache(dir: &Path, cache: u64) -> Result<SledStore, StoreError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
-        let lock_path = dir.join("khata.lock");
-        let lock = File::create(&lock_path)
-            .map_err(|e| unavailable(format!("cannot create {}: {e}", lock_path.display())))?;
-        lock.try_lock().map_err(|_| {
-            unavailable(format!(
-                "{} is locked: another khata daemon uses this data directory",
-                lock_path.display()
-            ))
-        })?;
+        let lock = super::embedded::lock_data_dir(dir)?;
         let path = dir.join(DIR_NAME);
         // khata.lock, held above, keeps other processes out; sled's own lock
         // on its file can still be held for a moment by the threads of a

@@ -105,17 +105,7 @@ impl SqliteStore {
     /// Opens (creating if needed) the ledger `khata.db` in `dir`, migrating
     /// its schema, and takes the directory's lock.
     pub fn open(dir: &Path) -> Result<SqliteStore, StoreError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
-        let lock_path = dir.join("khata.lock");
-        let lock = File::create(&lock_path)
-            .map_err(|e| unavailable(format!("cannot create {}: {e}", lock_path.display())))?;
-        lock.try_lock().map_err(|_| {
-            unavailable(format!(
-                "{} is locked: another khata daemon uses this data directory",
-                lock_path.display()
-            ))
-        })?;
+        let lock = super::embedded::lock_data_dir(dir)?;
         let path = dir.join("khata.db");
         let mut conn = open_conn(&path)?;
         // The writer's page cache: 32 MiB (negative: KiB), so that the ready
