@@ -182,7 +182,6 @@ pub struct JobRecord {
     /// In order of number.
     pub attempts: Vec<AttemptRecord>,
     /// In the order recorded.
-    /// In the order recorded.
     pub effects: Vec<EffectRecord>,
 }
 

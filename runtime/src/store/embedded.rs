@@ -172,14 +172,14 @@ async fn read<L: Reads, T: Send + 'static>(
 /// Creates `dir` and takes its `khata.lock`, which the returned file holds
 /// until it is dropped: one daemon per data directory.
 pub(super) fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File> {
-    let unavailable = |m: String| StoreError::Unavailable(m);
     std::fs::create_dir_all(dir)
-        .map_err(|e| unavailable(format!("cannot create {}: {e}", dir.display())))?;
+        .map_err(|e| StoreError::Unavailable(format!("cannot create {}: {e}", dir.display())))?;
     let lock_path = dir.join("khata.lock");
-    let lock = std::fs::File::create(&lock_path)
-        .map_err(|e| unavailable(format!("cannot create {}: {e}", lock_path.display())))?;
+    let lock = std::fs::File::create(&lock_path).map_err(|e| {
+        StoreError::Unavailable(format!("cannot create {}: {e}", lock_path.display()))
+    })?;
     lock.try_lock().map_err(|_| {
-        unavailable(format!(
+        StoreError::Unavailable(format!(
             "{} is locked: another khata daemon uses this data directory",
             lock_path.display()
         ))

@@ -139,22 +139,19 @@ impl Providers {
     pub fn get(&self, name: &str) -> Option<&Provider> {
         self.providers.get(name)
     }
-}
 
-impl Providers {
-    fn named(&self, name: &str) -> Result<&Provider, HttpError> {
+    /// The provider `name`, or the error that names the missing section.
+    fn named(&self, name: &str) -> Result<&Provider, String> {
         self.get(name)
-            .ok_or_else(|| HttpError::Invalid(format!("there is no [http.{name}] in jobs.toml")))
+            .ok_or_else(|| format!("there is no [http.{name}] in jobs.toml"))
     }
 }
 
 #[async_trait::async_trait]
 impl super::outside::HttpTransport for Providers {
     fn check(&self, provider: &str, request: &HttpRequest) -> Result<(), super::EffectError> {
-        let provider = self.get(provider).ok_or_else(|| {
-            super::EffectError::Denied(format!("there is no [http.{provider}] in jobs.toml"))
-        })?;
-        provider
+        self.named(provider)
+            .map_err(super::EffectError::Denied)?
             .validate(request)
             .map_err(|e| super::EffectError::Invalid(e.to_string()))
     }
@@ -170,7 +167,8 @@ impl super::outside::HttpTransport for Providers {
         fencing_token: u64,
         request: &HttpRequest,
     ) -> Result<HttpResponse, HttpError> {
-        self.named(provider)?
+        self.named(provider)
+            .map_err(HttpError::Invalid)?
             .send(key, fencing_token, request)
             .await
     }
@@ -183,7 +181,7 @@ impl super::outside::HttpTransport for Providers {
     ) -> Option<Result<Option<HttpResponse>, HttpError>> {
         match self.named(provider) {
             Ok(p) => p.reconcile(key, fencing_token).await,
-            Err(e) => Some(Err(e)),
+            Err(e) => Some(Err(HttpError::Invalid(e))),
         }
     }
 }
