@@ -12,7 +12,7 @@
 //!
 //! Jobs lost: every acknowledged existence-check job leaves a kv entry
 //! `seen:<key>`, written after its acknowledgement, which retention keeps
-//! for three minutes (`[retention] kv = { exists = "3m" }`, so that the
+//! for a minute (`[retention] kv = { exists = "60s" }`, so that the
 //! ledger levels off); so after the run the ledger must hold one for each
 //! existence check acknowledged in the last [`CHECKED`] before the daemon
 //! stopped, which no sweep can have reached yet; every probe job (an `echo` enqueued
@@ -29,15 +29,15 @@ use serde_json::{Value, json};
 
 use super::{Bench, Daemon, Row, millis, note, thousands};
 
-const QUEUES: &str = "[retention]\njobs = \"30s\"\nkv = { exists = \"3m\" }\n\n\
+const QUEUES: &str = "[retention]\njobs = \"30s\"\nkv = { exists = \"60s\" }\n\n\
      [queues.echo]\nplugin = \"echo\"\nconcurrency = 16\n\n\
      [queues.exists]\nplugin = \"chaos\"\nconcurrency = 16\ngrants = { kv = true }\n";
 /// The warm-up that measures the maximum rate: the queues are kept full
 /// this long, with a `kill -9` halfway, and the rate is what was completed
-/// after [`WARM_UNCOUNTED`] (by when retention sweeps as it will in the
-/// soak) divided by the time since.
+/// after [`WARM_UNCOUNTED`] (by when retention sweeps jobs and kv entries as
+/// it will in the soak) divided by the time since.
 const WARM_UP: Duration = Duration::from_secs(240);
-const WARM_UNCOUNTED: Duration = Duration::from_secs(60);
+const WARM_UNCOUNTED: Duration = Duration::from_secs(75);
 /// During the warm-up each queue is topped up to this many waiting jobs.
 const WARM_WAITING: u64 = 4_000;
 const SAMPLE: Duration = Duration::from_secs(5);
@@ -45,8 +45,8 @@ const KILL_EVERY: Duration = Duration::from_secs(120);
 const TICK: Duration = Duration::from_millis(100);
 /// The existence checks whose `seen:` entries are counted: those
 /// acknowledged this long before the daemon stops, well inside the kv
-/// window of `QUEUES` (3 minutes), so retention cannot have removed them.
-const CHECKED: Duration = Duration::from_secs(150);
+/// window of `QUEUES` (60 s), so retention cannot have removed them.
+const CHECKED: Duration = Duration::from_secs(40);
 
 /// One sample of the series.
 #[derive(Debug, Clone, Copy)]
